@@ -1,0 +1,67 @@
+"""The checkpointer's view of the job: its rank, the world size, and JSON collectives.
+
+Checkpoint coordination runs on a process group of its own (gloo, host memory), so it
+never interleaves with the training loop's collectives, whatever backend those use.
+Messages are JSON, not pickles: nothing received from another process executes code.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Comm:
+    def __init__(self, group: dist.ProcessGroup | None, timeout: timedelta) -> None:
+        self.group: dist.ProcessGroup | None = None
+        self.rank, self.world_size = 0, 1
+        if dist.is_available() and dist.is_initialized():
+            # new_group is collective: every rank constructs its Checkpointer together.
+            self.group = dist.new_group(
+                ranks=None if group is None else dist.get_process_group_ranks(group),
+                backend="gloo",
+                timeout=timeout,
+            )
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.group is None:
+            return [obj]
+        data = json.dumps(obj).encode()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(data)]), group=self.group)
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [json.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.group is None:
+            return obj
+        data = json.dumps(obj).encode() if self.rank == 0 else b""
+        size = torch.tensor([len(data)])
+        dist.broadcast(size, group=self.group, group_src=0)
+        buf = torch.empty(int(size), dtype=torch.uint8)
+        if self.rank == 0:
+            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.broadcast(buf, group=self.group, group_src=0)
+        return json.loads(buf.numpy().tobytes())
+
+    def agree(self, error: str | None) -> list[str]:
+        """Exchange per-rank errors so that every rank fails, or goes on, together."""
+        errors = self.all_gather(error)
+        return [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+
+    def close(self) -> None:
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+            self.group = None

@@ -1,0 +1,89 @@
+"""Whole-checkpoint work done by one process: verifying every byte, consolidating weights.
+
+These read checkpoints written by any number of ranks; they never need the job itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from unbroken.checkpointer import Checkpointer
+from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.format import Manifest, step_dir
+from unbroken.shards import fill, read_chunk
+
+# Wrappers whose prefixes an inference model does not have: DDP, torch.compile.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+@dataclass(frozen=True)
+class Damage:
+    file: str
+    tensor: str | None
+    problem: str
+
+
+def verify(
+    ckpt: Checkpointer, manifest: Manifest, progress: Callable[[int], None] = lambda n: None
+) -> list[Damage]:
+    """Re-read every stored byte of ``manifest``'s step and check it; ``progress`` gets the
+    number of bytes checked after each block. Returns what is damaged (empty if nothing)."""
+    folder = step_dir(manifest.step)
+    damage: list[Damage] = []
+    broken_files: set[str] = set()
+    for file, expected in sorted(manifest.files.items()):
+        try:
+            size = ckpt.storage.size(f"{folder}/{file}")
+        except FileNotFoundError:
+            damage.append(Damage(file, None, "the file is missing"))
+            broken_files.add(file)
+            continue
+        if size != expected:
+            damage.append(Damage(file, None, f"{size} bytes on storage, {expected} written"))
+            broken_files.add(file)
+    for key, entry in manifest.tensors.items():
+        for chunk in entry.chunks:
+            if chunk.file in broken_files:
+                progress(chunk.nbytes)
+                continue
+            try:
+                read_chunk(ckpt.storage, folder, key, entry, chunk)
+            except CorruptCheckpointError:
+                damage.append(Damage(chunk.file, key, "checksum mismatch"))
+            progress(chunk.nbytes)
+    return damage
+
+
+def consolidate(
+    ckpt: Checkpointer, manifest: Manifest, only: list[str], dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole tensors of the state entries ``only``, named as an unwrapped module names them
+    (``model/module.fc.weight`` becomes ``fc.weight``), floating ones cast to ``dtype``.
+    Where ranks saved different values under one key, rank 0's is taken."""
+    prefixes = [f"{name}/" for name in only]
+    found = {p for key in manifest.tensors for p in prefixes if key.startswith(p)}
+    if missing := [p[:-1] for p in prefixes if p not in found]:
+        names = sorted({key.split("/", 1)[0] for key in manifest.tensors})
+        raise CheckpointError(
+            f"step {manifest.step} has no tensors under {missing}; entries with tensors: "
+            f"{names}. Pass --only NAME"
+        )
+    folder = step_dir(manifest.step)
+    for key, entry in manifest.tensors.items():
+        prefix = next((p for p in prefixes if key.startswith(p)), None)
+        if prefix is None:
+            continue
+        name = key[len(prefix) :]
+        for wrapper in _WRAPPER_PREFIXES:
+            name = name.removeprefix(wrapper)
+        if len(prefixes) > 1:
+            name = f"{prefix}{name}"
+        chunks = [c for c in entry.chunks if c.ranks is None or 0 in c.ranks]
+        whole = torch.empty(entry.shape, dtype=entry.torch_dtype)
+        fill(ckpt.storage, folder, key, entry, chunks, whole, [0] * len(entry.shape))
+        if dtype is not None and whole.is_floating_point():
+            whole = whole.to(dtype)
+        yield name, whole

@@ -1,0 +1,104 @@
+"""Who writes what: a pure function from every rank's tensor blocks to a write plan.
+
+Each rank describes the blocks it holds (key, region, checksum). Blocks with the same key,
+region and checksum on several ranks are the same bytes (DDP parameters, optimizer state,
+replicated DTensor placements): they are written once, by one of their holders, with the
+bytes spread evenly over the ranks. Blocks whose value differs between ranks (RNG-seeded
+buffers, per-rank state) are each written once and tagged with the ranks they belong to.
+Comparing checksums instead of trusting a "replicated" flag means a tensor that silently
+diverged between ranks is saved faithfully rather than replaced by rank 0's copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unbroken.errors import CheckpointError
+from unbroken.format import Chunk, TensorEntry
+
+
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """A tensor block held by one rank, described without its bytes."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]  # global shape
+    offsets: tuple[int, ...]  # where the block sits in the global tensor
+    local_shape: tuple[int, ...]
+    nbytes: int
+    xxh3: str
+
+    def to_json(self) -> list[object]:
+        return [self.key, self.dtype, self.shape, self.offsets, self.local_shape, self.nbytes,
+                self.xxh3]  # fmt: skip
+
+    @classmethod
+    def from_json(cls, row: list[object]) -> Block:
+        key, dtype, shape, offsets, local_shape, nbytes, xxh3 = row
+        return cls(
+            key=str(key),
+            dtype=str(dtype),
+            shape=tuple(shape),  # type: ignore[arg-type]
+            offsets=tuple(offsets),  # type: ignore[arg-type]
+            local_shape=tuple(local_shape),  # type: ignore[arg-type]
+            nbytes=int(nbytes),  # type: ignore[call-overload]
+            xxh3=str(xxh3),
+        )
+
+
+@dataclass(kw_only=True)
+class Plan:
+    tensors: dict[str, TensorEntry]
+    # writes[rank] lists the keys that rank writes; chunk_of[(rank, key)] is where it goes.
+    writes: list[list[str]]
+    chunk_of: dict[tuple[int, str], Chunk]
+
+
+def make_plan(blocks_by_rank: list[list[Block]]) -> Plan:
+    """Deterministic: every rank computes the same plan from the same gathered input."""
+    world = len(blocks_by_rank)
+    tensors: dict[str, TensorEntry] = {}
+    holders: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
+    first: dict[tuple[str, tuple[int, ...], str], Block] = {}
+    owner_of_key: dict[str, int] = {}
+    for rank, blocks in enumerate(blocks_by_rank):
+        for b in blocks:
+            entry = tensors.get(b.key)
+            if entry is None:
+                tensors[b.key] = TensorEntry(dtype=b.dtype, shape=list(b.shape))
+                owner_of_key[b.key] = rank
+            elif (entry.dtype, tuple(entry.shape)) != (b.dtype, b.shape):
+                raise CheckpointError(
+                    f"tensor {b.key!r} is {entry.dtype}{entry.shape} on rank "
+                    f"{owner_of_key[b.key]} but {b.dtype}{list(b.shape)} on rank {rank}; "
+                    "every rank must save the same dtype and global shape under one key"
+                )
+            ident = (b.key, b.offsets, b.xxh3)
+            holders.setdefault(ident, []).append(rank)
+            first.setdefault(ident, b)
+
+    values_per_region: dict[tuple[str, tuple[int, ...]], int] = {}
+    for key, offsets, _ in holders:
+        values_per_region[key, offsets] = values_per_region.get((key, offsets), 0) + 1
+
+    writes: list[list[str]] = [[] for _ in range(world)]
+    load = [0] * world
+    chunk_of: dict[tuple[int, str], Chunk] = {}
+    # Largest first onto the least-loaded holder: a greedy balance within ~1 block of ideal.
+    for ident in sorted(holders, key=lambda i: (-first[i].nbytes, i)):
+        b, ranks = first[ident], holders[ident]
+        writer = min(ranks, key=lambda r: (load[r], r))
+        load[writer] += b.nbytes
+        chunk = Chunk(
+            offsets=list(b.offsets),
+            shape=list(b.local_shape),
+            xxh3=b.xxh3,
+            ranks=ranks if values_per_region[b.key, b.offsets] > 1 else None,
+        )
+        tensors[b.key].chunks.append(chunk)
+        writes[writer].append(b.key)
+        chunk_of[writer, b.key] = chunk
+    for entry in tensors.values():
+        entry.chunks.sort(key=lambda c: (c.offsets, c.ranks or []))
+    return Plan(tensors=tensors, writes=writes, chunk_of=chunk_of)

@@ -1,0 +1,152 @@
+"""Moving tensor bytes between memory and shard files.
+
+Writes go straight from tensor memory to storage (no serialisation buffer); reads go
+straight from storage into the destination tensor when its layout allows, so restoring
+into an existing model touches each byte once. Every block read is checked against its
+manifest checksum before anyone can use it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.format import Chunk, TensorEntry, checksum, safetensors_header, shard_file
+from unbroken.storage import Storage
+
+# A rank's data is split into files of about this size, written by parallel threads.
+FILE_BYTES = 512 << 20
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def local_block(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The part of ``t`` this rank holds, as a contiguous CPU tensor, and its offsets
+    in the global tensor. A DTensor contributes its local shard; anything else is whole."""
+    if isinstance(t, DTensor):
+        local, offsets = t.to_local(), dtensor_offsets(t)
+    else:
+        local, offsets = t, (0,) * t.dim()
+    local = local.detach()
+    if local.device.type != "cpu":
+        local = local.cpu()
+    return local.contiguous(), offsets
+
+
+def dtensor_offsets(t: DTensor) -> tuple[int, ...]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(offsets)
+
+
+def write_blocks(
+    storage: Storage, folder: str, rank: int, blocks: Sequence[tuple[str, torch.Tensor]],
+    threads: int,
+) -> tuple[dict[str, tuple[str, int, int]], dict[str, int]]:  # fmt: skip
+    """Write ``(key, tensor)`` blocks into this rank's shard files under ``folder``.
+
+    Returns where each key went, ``{key: (file, start, end)}``, and ``{file: size}``."""
+    files: list[list[tuple[str, torch.Tensor]]] = [[]]
+    filled = 0
+    for key, t in blocks:
+        if filled >= FILE_BYTES:
+            files.append([])
+            filled = 0
+        files[-1].append((key, t))
+        filled += t.nbytes
+
+    def write_one(index: int) -> tuple[str, dict[str, tuple[str, int, int]], int]:
+        name = shard_file(rank, index)
+        content = files[index]
+        header = safetensors_header([(k, t.dtype, list(t.shape), t.nbytes) for k, t in content])
+        where, pos = {}, len(header)
+        for key, t in content:
+            where[key] = (name, pos, pos + t.nbytes)
+            pos += t.nbytes
+        storage.write(f"{folder}/{name}", [header, *(byte_view(t) for _, t in content)])
+        return name, where, pos
+
+    locations: dict[str, tuple[str, int, int]] = {}
+    sizes: dict[str, int] = {}
+    with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
+        for name, where, size in pool.map(write_one, range(len(files))):
+            locations.update(where)
+            sizes[name] = size
+    return locations, sizes
+
+
+def read_chunk(
+    storage: Storage, folder: str, key: str, entry: TensorEntry, chunk: Chunk,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Read ``chunk`` into ``out`` (a contiguous CPU tensor of its dtype and shape, or a new
+    one) and verify its checksum."""
+    if out is None:
+        out = torch.empty(chunk.shape, dtype=entry.torch_dtype)
+    where = f"{folder}/{chunk.file}"
+    view = byte_view(out)
+    try:
+        storage.read_into(where, chunk.start, view)
+    except EOFError:
+        raise CorruptCheckpointError(
+            f"{folder}: {chunk.file} is truncated; tensor {key!r} (bytes {chunk.start}-"
+            f"{chunk.end}) is missing. Restore an earlier step (see `unbroken ls`)."
+        ) from None
+    if checksum(view) != chunk.xxh3:
+        raise CorruptCheckpointError(
+            f"{folder}: tensor {key!r} in {chunk.file} (bytes {chunk.start}-{chunk.end}) fails "
+            "its checksum; the file is damaged. Restore an earlier step (see `unbroken ls`)."
+        )
+    return out
+
+
+def fill(
+    storage: Storage, folder: str, key: str, entry: TensorEntry, chunks: Sequence[Chunk],
+    dest: torch.Tensor, offsets: Sequence[int],
+) -> None:  # fmt: skip
+    """Fill ``dest``, the region of the global tensor at ``offsets``, from ``chunks``."""
+    direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == entry.torch_dtype
+    covered = 0
+    for chunk in chunks:
+        if chunk.offsets == list(offsets) and chunk.shape == list(dest.shape):
+            if direct:
+                read_chunk(storage, folder, key, entry, chunk, out=dest)
+            else:
+                dest.copy_(read_chunk(storage, folder, key, entry, chunk))
+            return
+        region = _overlap(offsets, dest.shape, chunk.offsets, chunk.shape)
+        if region is None:
+            continue
+        data = read_chunk(storage, folder, key, entry, chunk)
+        src, dst = data, dest
+        for dim, (lo, hi) in enumerate(region):
+            src = src.narrow(dim, lo - chunk.offsets[dim], hi - lo)
+            dst = dst.narrow(dim, lo - offsets[dim], hi - lo)
+        dst.copy_(src)
+        covered += math.prod(hi - lo for lo, hi in region)
+    if covered != dest.numel():
+        raise CheckpointError(
+            f"{folder}: the checkpoint does not hold all of tensor {key!r} for the region at "
+            f"{list(offsets)} of shape {list(dest.shape)}"
+        )
+
+
+def _overlap(
+    a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int], b_shape: Sequence[int]
+) -> list[tuple[int, int]] | None:
+    region = []
+    for ao, an, bo, bn in zip(a_off, a_shape, b_off, b_shape, strict=True):
+        lo, hi = max(ao, bo), min(ao + an, bo + bn)
+        if lo >= hi:
+            return None
+        region.append((lo, hi))
+    return region

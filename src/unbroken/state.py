@@ -1,0 +1,179 @@
+"""State capture: application state <-> a flat dict of tensors plus a JSON tree.
+
+The JSON tree keeps the structure of every ``state_dict`` with each tensor replaced by a
+``{"__tensor__": key}`` placeholder. Tuples and dicts whose keys are not plain strings
+(optimizer state is keyed by int) get tagged encodings so they come back exactly as they
+were. Nothing here pickles: a value that is neither a tensor nor JSON is an error.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from unbroken.errors import CheckpointError
+
+Json = Any  # None | bool | int | float | str | list[Json] | dict[str, Json]
+
+_TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: modules, optimizers,
+    LR schedulers, data loaders, and unbroken's own `RNGState` and `Progress`."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class Progress:
+    """The training loop's own counters and data position, as a `Stateful`.
+
+    >>> progress = Progress(step=0, epoch=0, batch=0)
+    >>> progress.step += 1
+
+    Values must be JSON (numbers, strings, lists, dicts). Each rank saves its own.
+    """
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str) -> Any:  # only reached for missing attributes
+        raise AttributeError(f"Progress has no counter {name!r}; set it first")
+
+    def __setattr__(self, name: str, value: Any) -> None:  # lets type checkers allow any name
+        super().__setattr__(name, value)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())
+        return f"Progress({fields})"
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.__dict__.update(state_dict)
+
+
+class RNGState:
+    """Every random stream a training step may draw from: Python ``random``, NumPy's
+    global generator, torch's CPU generator and, when present, every CUDA device's.
+
+    Restoring it makes the next draws identical to those of an uninterrupted run. Each
+    rank saves its own streams (they usually differ between ranks)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        version, mt, gauss = random.getstate()
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state: dict[str, Any] = {
+            "python": [version, list(mt), gauss],
+            "numpy": [kind, np.asarray(keys).tolist(), pos, has_gauss, cached],
+            "torch": _b64(torch.get_rng_state()),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        version, mt, gauss = state_dict["python"]
+        random.setstate((version, tuple(mt), gauss))
+        kind, keys, pos, has_gauss, cached = state_dict["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(_unb64(state_dict["torch"]))
+        if "cuda" in state_dict and torch.cuda.is_available():
+            saved = state_dict["cuda"]
+            if len(saved) != torch.cuda.device_count():
+                raise CheckpointError(
+                    f"the checkpoint holds RNG state for {len(saved)} CUDA devices but this "
+                    f"process sees {torch.cuda.device_count()}; set CUDA_VISIBLE_DEVICES to match"
+                )
+            torch.cuda.set_rng_state_all([_unb64(s) for s in saved])
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def is_stateful(value: object) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
+def capture(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Json]]:
+    """Flatten ``state`` into ``(tensors, tree)``.
+
+    ``tensors`` maps a slash-separated key (``"optim/state/0/exp_avg"``) to the live tensor
+    (no copy is made here); ``tree`` maps each top-level key to its JSON encoding.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    tree: dict[str, Json] = {}
+    for name, value in state.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise CheckpointError(f"state key {name!r} must be a non-empty string without '/'")
+        if is_stateful(value):
+            value = value.state_dict()
+        tree[name] = _encode(value, name, tensors)
+    return tensors, tree
+
+
+def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Json:
+    if isinstance(value, torch.Tensor):
+        if path in tensors:
+            raise CheckpointError(f"two tensors map to the key {path!r}; rename one of them")
+        tensors[path] = value
+        return {_TENSOR: path}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple):
+        return {_TUPLE: [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _encode(v, f"{path}/{k}", tensors) for k, v in value.items()}
+        for k in value:
+            if not isinstance(k, str | int | bool) and k is not None:
+                raise CheckpointError(f"{path} has a key of type {type(k).__name__}: {k!r}")
+        return {_ITEMS: [[k, _encode(v, f"{path}/{k}", tensors)] for k, v in value.items()]}
+    raise CheckpointError(
+        f"{path} is a {type(value).__module__}.{type(value).__qualname__}; checkpoints hold "
+        "tensors and JSON values only (loading never unpickles). Convert it in state_dict()."
+    )
+
+
+def decode(value: Json, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of the encoding made by `capture`, with tensors taken from ``tensors``."""
+    if isinstance(value, list):
+        return [decode(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if _TENSOR in value:
+            return tensors[value[_TENSOR]]
+        if _TUPLE in value:
+            return tuple(decode(v, tensors) for v in value[_TUPLE])
+        if _ITEMS in value:
+            return {k: decode(v, tensors) for k, v in value[_ITEMS]}
+        return {k: decode(v, tensors) for k, v in value.items()}
+    return value
+
+
+def tensor_keys(value: Json) -> list[str]:
+    """Keys of every tensor placeholder in an encoded tree, in order."""
+    if isinstance(value, list):
+        return [k for v in value for k in tensor_keys(v)]
+    if isinstance(value, dict):
+        if _TENSOR in value:
+            return [value[_TENSOR]]
+        return [k for v in value.values() for k in tensor_keys(v)]
+    return []
