@@ -17,7 +17,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
+def _worker(
+    fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -63,7 +65,9 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
     except Exception:
-        errors.append(f"ranks {sorted(set(range(world)) - set(results))} timed out after {timeout}s")
+        errors.append(
+            f"ranks {sorted(set(range(world)) - set(results))} timed out after {timeout}s"
+        )
     finally:
         for p in procs:
             p.join(timeout=5)

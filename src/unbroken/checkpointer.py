@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
@@ -254,6 +255,13 @@ class Checkpointer:
         """
         comm = self._comm
 
+        requested = comm.all_gather(step)
+        if len(set(requested)) > 1:
+            raise CheckpointError(
+                f"ranks disagree on the step to restore: {dict(enumerate(requested))}; "
+                "every rank must call restore() with the same step"
+            )
+
         def choose() -> int | None:
             if comm.rank != 0:
                 return None
@@ -267,10 +275,17 @@ class Checkpointer:
         if chosen is None:
             return None
         folder = step_dir(chosen)
-        jobs = self._together(
-            f"checking step {chosen}", lambda: self._restore_plan(state, chosen, strict)
-        )
-        manifest, tree, reads = jobs
+        # Fresh optimizers get their state tensors first, so that the checkpoint is read
+        # into them in place, sharded like their parameters (FSDP2 needs DTensor state).
+        fresh = [o for o in state.values() if isinstance(o, Optimizer) and _init_state(o)]
+        try:
+            manifest, tree, reads = self._together(
+                f"checking step {chosen}", lambda: self._restore_plan(state, chosen, strict)
+            )
+        except BaseException:
+            for optim in fresh:
+                optim.state.clear()  # as it was: nothing changes when a restore is refused
+            raise
 
         def read() -> dict[str, torch.Tensor]:
             loaded: dict[str, torch.Tensor] = {}
@@ -387,6 +402,27 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.path!r}, rank={self.rank}/{self._comm.world_size})"
+
+
+def _init_state(optim: Optimizer) -> bool:
+    """Give a fresh optimizer its state with one zero-learning-rate step on zero grads.
+    Returns False, doing nothing, if it already has state or any grad is set."""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    if optim.state or any(p.grad is not None for p in params):
+        return False
+    lrs = [group["lr"] for group in optim.param_groups]
+    for group in optim.param_groups:
+        group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        optim.zero_grad(set_to_none=True)
+    return True
 
 
 def _mismatch(where: str, what: str, missing: set[str], unexpected: set[str]) -> None:

@@ -1,0 +1,129 @@
+import pytest
+import torch
+from safetensors import safe_open
+
+from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.format import Chunk, Manifest, TensorEntry, parse_step_dir, step_dir
+from unbroken.plan import Block, make_plan
+
+
+def _manifest(**changes):
+    m = Manifest(
+        step=12,
+        world_size=2,
+        created=1.5,
+        tensors={
+            "w": TensorEntry(
+                dtype="BF16",
+                shape=[4, 2],
+                chunks=[Chunk(offsets=[0, 0], shape=[4, 2], file="f", start=8, end=24, xxh3="ab")],
+            )
+        },
+        objects=[{"p": {"step": 12}}],
+        rank_objects=[0, 0],
+        files={"f": 24},
+    )
+    for k, v in changes.items():
+        setattr(m, k, v)
+    return m
+
+
+def test_manifest_roundtrips_through_json():
+    m = _manifest()
+    back = Manifest.from_json(m.to_json(), "x")
+    assert back == m
+    assert back.objects_for(1) == {"p": {"step": 12}}
+    assert back.tensors["w"].torch_dtype is torch.bfloat16
+
+
+def test_manifest_from_a_newer_version_is_refused_with_advice():
+    with pytest.raises(CheckpointError, match="format version 99, newer .* upgrade unbroken"):
+        Manifest.from_json(_manifest(version=99).to_json(), "x/manifest.json")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"{not json", b'{"format": "other"}', b'{"format": "unbroken-checkpoint", "version": 1}'],
+)
+def test_malformed_manifests_are_corrupt(data):
+    with pytest.raises(CorruptCheckpointError, match="x/manifest.json"):
+        Manifest.from_json(data, "x/manifest.json")
+
+
+def test_step_dirs_sort_and_parse():
+    assert step_dir(1200) == "step-000001200"
+    assert parse_step_dir("step-000001200") == 1200
+    assert parse_step_dir("step-12") is None and parse_step_dir("step-000001200.tmp") is None
+    assert sorted([step_dir(10), step_dir(9)]) == [step_dir(9), step_dir(10)]
+
+
+def test_shard_files_are_readable_by_safetensors(tmp_path):
+    import unbroken
+
+    state = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.ones(2, dtype=torch.bfloat16),
+    }
+    unbroken.Checkpointer(tmp_path).save(1, state)
+    files = list((tmp_path / step_dir(1)).glob("*.safetensors"))
+    assert len(files) == 1
+    with safe_open(files[0], "pt") as f:
+        assert sorted(f.keys()) == ["a", "b", "c"]
+        for key in f.keys():
+            assert torch.equal(f.get_tensor(key), state[key])
+
+
+def _block(key, xxh3, nbytes=100, offsets=(0,), shape=(10,), local=(10,)):
+    return Block(
+        key=key,
+        dtype="F32",
+        shape=shape,
+        offsets=offsets,
+        local_shape=local,
+        nbytes=nbytes,
+        xxh3=xxh3,
+    )
+
+
+@pytest.mark.parametrize(
+    ("blocks", "writers", "tagged"),
+    [
+        # Replicated on both ranks: written once each, spread by size over the two ranks.
+        (
+            [[_block("a", "1", 300), _block("b", "2", 200), _block("c", "3", 100)]] * 2,
+            {"a": 0, "b": 1, "c": 1},
+            {},
+        ),
+        # Different values on each rank: each written by its own rank, tagged with it.
+        ([[_block("r", "x")], [_block("r", "y")]], {"r": None}, {"r": [[0], [1]]}),
+        # Row shards of one tensor: each rank writes its own region, untagged.
+        (
+            [
+                [_block("s", "x", offsets=(0,), shape=(20,))],
+                [_block("s", "y", offsets=(10,), shape=(20,))],
+            ],
+            {"s": None},
+            {"s": [None, None]},
+        ),
+        # A tensor only rank 1 holds.
+        ([[], [_block("only", "z")]], {"only": 1}, {}),
+    ],
+)
+def test_plan_writes_each_distinct_block_once(blocks, writers, tagged):
+    plan = make_plan(blocks)
+    written = [key for keys in plan.writes for key in keys]
+    distinct = {(b.key, b.offsets, b.xxh3) for rank in blocks for b in rank}
+    assert len(written) == len(distinct)
+    for key, rank in writers.items():
+        if rank is not None:
+            assert key in plan.writes[rank]
+    for key, ranks in tagged.items():
+        assert [c.ranks for c in plan.tensors[key].chunks] == ranks
+
+
+def test_plan_refuses_keys_whose_shape_differs_between_ranks():
+    with pytest.raises(
+        CheckpointError, match="'w' is F32\\[10\\] on rank 0 but F32\\[12\\] on rank 1"
+    ):
+        make_plan([[_block("w", "1")], [_block("w", "1", shape=(12,), local=(12,))]])
