@@ -129,7 +129,7 @@ def test_a_failed_save_leaves_the_last_good_checkpoint_intact(tmp_path):
     ckpt.storage = FailingStorage(ckpt.storage)
     with pytest.raises(OSError, match="No space left"):
         ckpt.save(3, state)
-    with pytest.raises(CheckpointError, match="is a torch.dtype"):
+    with pytest.raises(CheckpointError, match=r"is a torch\.dtype"):
         ckpt.save(4, {**state, "bad": torch.float32})
     ckpt = Checkpointer(tmp_path)
     assert ckpt.steps() == [1]

@@ -37,7 +37,7 @@ def test_manifest_roundtrips_through_json():
 
 
 def test_manifest_from_a_newer_version_is_refused_with_advice():
-    with pytest.raises(CheckpointError, match="format version 99, newer .* upgrade unbroken"):
+    with pytest.raises(CheckpointError, match=r"format version 99, newer .* upgrade unbroken"):
         Manifest.from_json(_manifest(version=99).to_json(), "x/manifest.json")
 
 
@@ -46,7 +46,7 @@ def test_manifest_from_a_newer_version_is_refused_with_advice():
     [b"{not json", b'{"format": "other"}', b'{"format": "unbroken-checkpoint", "version": 1}'],
 )
 def test_malformed_manifests_are_corrupt(data):
-    with pytest.raises(CorruptCheckpointError, match="x/manifest.json"):
+    with pytest.raises(CorruptCheckpointError, match=r"x/manifest\.json"):
         Manifest.from_json(data, "x/manifest.json")
 
 
@@ -70,7 +70,7 @@ def test_shard_files_are_readable_by_safetensors(tmp_path):
     assert len(files) == 1
     with safe_open(files[0], "pt") as f:
         assert sorted(f.keys()) == ["a", "b", "c"]
-        for key in f.keys():
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             assert torch.equal(f.get_tensor(key), state[key])
 
 
