@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -287,15 +288,19 @@ class Checkpointer:
                 optim.state.clear()  # as it was: nothing changes when a restore is refused
             raise
 
+        def read_one(job: tuple[Any, ...]) -> tuple[str, torch.Tensor]:
+            key, dest, region, offsets, chunks = job
+            entry = manifest.tensors[key]
+            if dest is None:
+                dest = region = torch.empty(entry.shape, dtype=entry.torch_dtype)
+            fill(self.storage, folder, key, entry, chunks, region, offsets)
+            return key, dest
+
         def read() -> dict[str, torch.Tensor]:
-            loaded: dict[str, torch.Tensor] = {}
-            for key, dest, region_dest, offsets, chunks in reads:
-                entry = manifest.tensors[key]
-                if dest is None:
-                    dest = region_dest = torch.empty(entry.shape, dtype=entry.torch_dtype)
-                fill(self.storage, folder, key, entry, chunks, region_dest, offsets)
-                loaded[key] = dest
-            return loaded
+            # Threads overlap one block's checksum (which holds the GIL) with the next
+            # block's read (which releases it), and keep several reads in flight.
+            with ThreadPoolExecutor(self.io_threads) as pool:
+                return dict(pool.map(read_one, reads))
 
         loaded = self._together(f"reading step {chosen}", read)
 

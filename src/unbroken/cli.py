@@ -7,6 +7,7 @@ import datetime
 import os
 import sys
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,7 +26,8 @@ from unbroken.errors import CheckpointError
 from unbroken.offline import consolidate, verify
 from unbroken.state import decode, tensor_keys
 
-console = Console()
+# Wide enough for long tensor names when the output goes to a file or a pipe.
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(opts.func(opts))
     except CheckpointError as e:
-        console.print(f"[red]error:[/red] {e}", highlight=False)
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
 
@@ -132,7 +134,7 @@ def _verify(opts: argparse.Namespace) -> int:
         with _bar() as bar:
             total = sum(c.nbytes for e in m.tensors.values() for c in e.chunks)
             task = bar.add_task(f"step {step}", total=total)
-            damage = verify(ckpt, m, lambda n: bar.advance(task, n))
+            damage = verify(ckpt, m, partial(bar.advance, task))
         for d in damage:
             where = f"{d.file}" + (f", tensor {d.tensor!r}" if d.tensor else "")
             console.print(f"[red]DAMAGED[/red] step {step}: {where}: {d.problem}", highlight=False)

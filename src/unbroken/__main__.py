@@ -1,0 +1,5 @@
+import sys
+
+from unbroken.cli import main
+
+sys.exit(main())

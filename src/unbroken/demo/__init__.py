@@ -1,0 +1,10 @@
+"""``unbroken demo``: a tiny GPT trained with DDP under torchrun, SIGKILLed mid-run and
+resumed from its last checkpoint, with a bitwise comparison against an uninterrupted run.
+
+`run` drives the demo (``unbroken.demo.run.main``), `train` is one rank of the job and
+`model` holds the model, the corpus and the resumable data position.
+"""
+
+# Prefix of the machine-readable lines that train.py prints and run.py parses. It lives
+# here so that run.py does not import torch just to read it.
+EVENT_PREFIX = "@demo "

@@ -1,0 +1,179 @@
+"""The `unbroken demo`: its model and data pieces, and the full kill-and-resume run."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from unbroken.demo import run
+from unbroken.demo.model import CharVocab, GPTConfig, ShardedBatches, TinyGPT, load_corpus
+
+
+def test_corpus_ships_with_the_package_and_round_trips() -> None:
+    text = load_corpus()
+    assert 5_000 < len(text.encode()) < 200_000
+    vocab = CharVocab(text)
+    ids = vocab.encode(text)
+    assert ids.dtype == torch.long and int(ids.max()) == len(vocab) - 1
+    assert vocab.decode(ids) == text
+
+
+def _batches(rank: int, world: int = 2) -> ShardedBatches:
+    return ShardedBatches(
+        torch.arange(2000), block_size=8, batch_size=4, rank=rank, world=world, seed=7
+    )
+
+
+def test_ranks_read_disjoint_windows_and_targets_are_shifted() -> None:
+    a, b = _batches(0), _batches(1)
+    for _ in range(a.batches_per_epoch):
+        (xa, ya), (xb, _) = a.next(), b.next()
+        assert torch.equal(xa[:, 1:], ya[:, :-1])
+        assert not set(xa[:, 0].tolist()) & set(xb[:, 0].tolist())
+    assert (a.epoch, a.batch) == (0, a.batches_per_epoch)
+    a.next()  # rolls over into a new epoch, in a different order
+    assert (a.epoch, a.batch) == (1, 1)
+
+
+def test_data_position_resumes_at_the_next_batch() -> None:
+    reference = _batches(1)
+    for _ in range(40):  # past an epoch boundary
+        reference.next()
+    saved = reference.state_dict()
+    expected = [reference.next() for _ in range(30)]
+
+    resumed = _batches(1)
+    resumed.load_state_dict(saved)
+    for want, got in zip(expected, (resumed.next() for _ in range(30)), strict=True):
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+def test_tiny_gpt_starts_near_uniform_and_dropout_draws_from_the_global_rng() -> None:
+    vocab_size = 50
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=vocab_size, block_size=16))
+    x = torch.randint(vocab_size, (4, 16))
+    y = torch.randint(vocab_size, (4, 16))
+    loss = model(x, y)
+    assert abs(loss.item() - math.log(vocab_size)) < 0.5
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+    rng = torch.get_rng_state()
+    first = model(x, y)
+    torch.set_rng_state(rng)
+    assert torch.equal(model(x, y), first)  # same RNG state: same dropout masks
+    assert not torch.equal(model(x, y), first)  # RNG moved on: different masks
+    model.eval()
+    assert torch.equal(model(x, y), model(x, y))
+
+
+def _launch(losses: dict[int, float], restored: int | None = None) -> run.Launch:
+    return run.Launch(losses=dict(losses), restored=restored)
+
+
+def test_comparison_is_bitwise_and_covers_the_recomputed_steps() -> None:
+    ref = {s: 1.0 + s / 7 for s in range(1, 11)}
+    killed = _launch({s: v for s, v in ref.items() if s <= 7})
+    resumed = _launch({s: v for s, v in ref.items() if s > 5}, restored=5)
+    assert run.mismatches(10, _launch(ref), killed, resumed) == []
+    assert run.combined_curve(killed, resumed) == ref
+
+    off_by_one_ulp = dict(resumed.losses)
+    off_by_one_ulp[9] = math.nextafter(ref[9], math.inf)
+    assert run.mismatches(10, _launch(ref), killed, _launch(off_by_one_ulp, 5)) == [9]
+
+    # A lost step the killed launch printed must match too, although the table shows the
+    # recomputed value for it.
+    bad_lost = _launch(killed.losses)
+    bad_lost.losses[6] = ref[6] + 1e-9
+    assert run.mismatches(10, _launch(ref), bad_lost, resumed) == [6]
+    # A resumed run that stops early leaves steps missing: that is a mismatch as well.
+    short = _launch({s: v for s, v in resumed.losses.items() if s < 10}, restored=5)
+    assert run.mismatches(10, _launch(ref), killed, short) == [10]
+
+
+def test_long_runs_show_a_sample_of_rows_but_every_interesting_one() -> None:
+    rows = run._rows_to_show(1000, 50, restored=300, killed_at=333, bad=[777])
+    assert len(rows) < 120
+    assert {1, 50, 299, 300, 317, 333, 334, 777, 1000} <= set(rows)
+    assert run._rows_to_show(60, 10, 30, 35, []) == list(range(1, 61))
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+def test_kill_job_reaches_workers_in_their_own_sessions(tmp_path: Path) -> None:
+    # Like torchrun: a parent whose child runs in a new session (so not in its group).
+    pidfile = tmp_path / "child.pid"
+    child = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "start_new_session=True); "
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", child], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.05)
+    worker = int(pidfile.read_text())
+    assert os.getpgid(worker) != os.getpgid(parent.pid)
+
+    run._kill_job(parent.pid)
+    assert parent.wait(timeout=10) == -9
+    deadline = time.monotonic() + 10
+    while _alive(worker):
+        assert time.monotonic() < deadline, "the worker survived the kill"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie is dead, just not yet reaped by its (new) parent
+
+
+def test_plot_without_matplotlib_fails_fast_with_a_hint(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("matplotlib is installed")
+    assert run.main(["--plot", str(tmp_path / "x.png")]) == 2
+    assert "pip install 'unbroken[plot]'" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(240)
+def test_demo_kills_resumes_and_matches_bit_for_bit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(run, "LAUNCH_TIMEOUT_S", 60.0)  # fail well inside the test timeout
+    argv = ["--steps", "30", "--kill-at", "17", "--save-every", "5", "--dir", str(tmp_path)]
+    code = run.main(argv)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"Verdict: {run.VERDICT_EQUAL}" in out
+    assert "all 30 losses are bitwise identical" in out
+
+    killed = re.search(r"run to be killed .*SIGKILL after step (\d+)", out)
+    resumed = re.search(r"resumed run .* from step (\d+)\s+-> step 30 ", out)
+    assert killed and resumed, out
+    kill_step, restored = int(killed.group(1)), int(resumed.group(1))
+    # The kill landed past --kill-at, and the restore used a checkpoint from before it.
+    assert kill_step >= 17
+    assert 0 < restored <= kill_step and restored % 5 == 0
+    # Both runs wrote their checkpoints where they were told to.
+    assert any((tmp_path / "uninterrupted").iterdir())
+    assert any((tmp_path / "killed").iterdir())
