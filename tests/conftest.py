@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 
-def make_model(seed: int = 0) -> nn.Module:
+def make_model(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 4))
 

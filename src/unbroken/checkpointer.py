@@ -1,49 +1,55 @@
-"""`Checkpointer`: save and restore the full training state, on one rank or many.
-
-Save is collective. Its phases, each ending with every rank agreeing before the next:
-
-1. capture: flatten the state, hash every local tensor block, agree on the step;
-2. write: each rank writes the blocks the plan gives it (replicated ones once in all)
-   and makes them durable;
-3. commit: rank 0 writes the manifest atomically. Only now does the step exist.
-
-A rank that fails in a phase still takes part in the exchange that ends it, so the others
-learn of the failure and raise too instead of waiting for a collective that never comes.
-"""
+"""`Checkpointer`: save and restore the full training state, on one rank or many,
+synchronously or in the background."""
 
 from __future__ import annotations
 
 import logging
 import os
-import time
+import threading
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.optim import Optimizer
 
+from unbroken import restoring, saving
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
-from unbroken.format import (
-    MANIFEST,
-    Manifest,
-    checksum,
-    dtype_name,
-    parse_step_dir,
-    step_dir,
-)
-from unbroken.plan import Block, make_plan
-from unbroken.shards import byte_view, dtensor_offsets, fill, local_block, write_blocks
-from unbroken.state import capture, decode, is_stateful, tensor_keys
+from unbroken.format import MANIFEST, Manifest, parse_step_dir, step_dir
+from unbroken.staging import Stager
 from unbroken.storage import Storage, open_storage
 
 log = logging.getLogger("unbroken")
-T = TypeVar("T")
+
+
+class PendingSave:
+    """A save under way. ``wait()`` returns True once it is committed, False if it was
+    skipped (see ``if_busy``), and raises what made it fail."""
+
+    def __init__(self, step: int, future: Future[bool], seen: Callable[[int], None]) -> None:
+        self.step = step
+        self._future = future
+        self._seen = seen
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        try:
+            return self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._seen(self.step)  # raised here: the next save() need not raise it again
+            raise
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"PendingSave(step={self.step}, {state})"
 
 
 class Checkpointer:
@@ -61,8 +67,13 @@ class Checkpointer:
         path: a directory (created if missing).
         keep: keep only the newest ``keep`` committed checkpoints; ``None`` keeps all.
         process_group: the ranks that checkpoint together; default: all of them.
-        timeout: how long a rank waits for the others during save or restore.
-        io_threads: parallel file writers per rank.
+        timeout: how long a rank waits for the others during save or restore (seconds).
+        io_threads: parallel file writers and readers per rank.
+        staging_buffers: host copies of the state that background saves may hold at once.
+        if_busy: what ``save(blocking=False)`` does when every staging buffer still holds
+            a save that is persisting: ``"wait"`` for one to free, or ``"skip"`` this step.
+        on_error: what the next ``save()`` does about a background save that failed:
+            ``"raise"`` it, or ``"warn"`` and go on.
     """
 
     def __init__(
@@ -73,16 +84,36 @@ class Checkpointer:
         process_group: dist.ProcessGroup | None = None,
         timeout: float = 600.0,
         io_threads: int = 2,
+        staging_buffers: int = 1,
+        if_busy: Literal["wait", "skip"] = "wait",
+        on_error: Literal["raise", "warn"] = "raise",
     ) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep={keep}: keep at least 1 checkpoint, or None to keep all")
         if io_threads < 1:
             raise ValueError(f"io_threads={io_threads}: at least one thread must write")
+        if staging_buffers < 1:
+            raise ValueError(f"staging_buffers={staging_buffers}: background saves need one")
+        if if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy={if_busy!r}: choose 'wait' or 'skip'")
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error={on_error!r}: choose 'raise' or 'warn'")
         self.path = os.fspath(path)
         self.keep = keep
         self.io_threads = io_threads
+        self.if_busy = if_busy
+        self.on_error = on_error
         self.storage: Storage = open_storage(self.path)
         self._comm = Comm(process_group, timedelta(seconds=timeout))
+        self._stager = Stager(staging_buffers)
+        # One worker persists saves in order: every rank then issues the same collectives
+        # in the same order on the checkpointer's own group, never the training loop's.
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="unbroken-save")
+        self._pending: list[PendingSave] = []
+        self._failure: tuple[int, BaseException] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        _at_exit(self)
 
     @property
     def rank(self) -> int:
@@ -129,116 +160,92 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
-        """Save ``state`` as ``step``. Returns once the checkpoint is committed.
+    def save(self, step: int, state: Mapping[str, Any], *, blocking: bool = True) -> PendingSave:
+        """Save ``state`` as ``step``. Collective: every rank calls it with the same step.
 
         ``state`` maps names to Stateful objects (modules, optimizers, schedulers,
-        `RNGState`, `Progress`...), tensors and JSON values. Collective: every rank
-        calls it with the same step. Saving a step that is already committed is an
-        error; a failed save leaves every committed checkpoint as it was.
+        `RNGState`, `Progress`...), tensors and JSON values.
+
+        ``blocking=True`` returns once the checkpoint is committed. ``blocking=False``
+        returns as soon as the state is copied into a staging buffer: **from then on the
+        training loop may modify every tensor and Stateful in ``state``**; the copy is
+        written and committed in the background (see `PendingSave`). Saving a step that is
+        already committed is an error; a failed save leaves every committed checkpoint as
+        it was.
         """
+        if self._closed:
+            raise CheckpointError(f"{self!r} is closed")
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
-        started = time.perf_counter()
-        comm, folder = self._comm, step_dir(step)
+        self._surface_failure()
+        arena = None
+        if not blocking:
+            arena = self._stager.acquire(wait=self.if_busy == "wait")
+        try:
+            if arena is None and not blocking:
+                log.info("rank %d: skipping step %d, a save is persisting", self.rank, step)
+                staged = saving.skipped(step)
+            else:
+                staged = saving.stage(step, state, arena)
+        except BaseException as e:
+            if arena is not None:
+                self._stager.release(arena)
+            # The other ranks are about to save this step: take part, failing, so that
+            # they fail too instead of waiting for this rank.
+            self._submit(saving.failed(step, e), background=False)
+            raise
+        handle = self._submit(staged, background=not blocking)
+        if blocking:
+            handle.wait()
+        return handle
 
-        def prepare() -> tuple[list[tuple[str, torch.Tensor]], list[Block], dict[str, Any]]:
-            if comm.rank == 0:
-                self._clear(step)
-            tensors, tree = capture(state)
-            staged, blocks = [], []
-            for key, t in tensors.items():
-                local, offsets = local_block(t)
-                staged.append((key, local))
-                blocks.append(
-                    Block(
-                        key=key,
-                        dtype=dtype_name(t.dtype),
-                        shape=tuple(t.shape),
-                        offsets=offsets,
-                        local_shape=tuple(local.shape),
-                        nbytes=local.nbytes,
-                        xxh3=checksum(byte_view(local)),
-                    )
-                )
-            return staged, blocks, tree
+    def _submit(self, staged: saving.Staged, background: bool) -> PendingSave:
+        future = self._worker.submit(self._persist, staged, background)
+        handle = PendingSave(staged.step, future, self._seen)
+        with self._lock:
+            self._pending = [p for p in self._pending if not p.done()] + [handle]
+        return handle
 
-        staged, blocks, tree = self._together(f"saving step {step}", prepare)
-        rows = comm.all_gather([step, [b.to_json() for b in blocks]])
-        steps = [row[0] for row in rows]
-        if len(set(steps)) > 1:
-            raise CheckpointError(
-                f"ranks disagree on the step to save: {dict(enumerate(steps))}; "
-                "every rank must call save() with the same step"
-            )
-        plan = make_plan([[Block.from_json(b) for b in row[1]] for row in rows])
-        mine = set(plan.writes[comm.rank])
-        to_write = [(key, t) for key, t in staged if key in mine]
+    def _persist(self, staged: saving.Staged, background: bool) -> bool:
+        """Runs on the worker. A background failure is logged at once and kept for the
+        next `save` or `wait`; a blocking one is raised to the caller only."""
+        try:
+            return saving.persist(self, staged)
+        except BaseException as e:
+            if background:
+                log.error("saving step %d failed: %s", staged.step, e)
+                with self._lock:
+                    self._failure = (staged.step, e)
+            raise
+        finally:
+            if staged.arena is not None:
+                self._stager.release(staged.arena)
 
-        def write() -> tuple[dict[str, tuple[str, int, int]], dict[str, int]]:
-            return write_blocks(self.storage, folder, comm.rank, to_write, self.io_threads)
+    def _seen(self, step: int) -> None:
+        with self._lock:
+            if self._failure is not None and self._failure[0] == step:
+                self._failure = None
 
-        locations, sizes = self._together(f"writing step {step}", write)
-        gathered = comm.all_gather([locations, sizes, tree])
-
-        def commit() -> None:
-            if comm.rank != 0:
-                return
-            files: dict[str, int] = {}
-            trees: list[dict[str, Any]] = []
-            rank_objects: list[int] = []
-            for rank, (where, rank_sizes, rank_tree) in enumerate(gathered):
-                files.update(rank_sizes)
-                for key, (file, start, end) in where.items():
-                    chunk = plan.chunk_of[rank, key]
-                    chunk.file, chunk.start, chunk.end = file, start, end
-                if rank_tree not in trees:
-                    trees.append(rank_tree)
-                rank_objects.append(trees.index(rank_tree))
-            manifest = Manifest(
-                step=step,
-                world_size=comm.world_size,
-                created=time.time(),
-                tensors=plan.tensors,
-                objects=trees,
-                rank_objects=rank_objects,
-                files=files,
-            )
-            try:
-                self.storage.commit(f"{folder}/{MANIFEST}", manifest.to_json())
-            except FileExistsError:
-                raise CheckpointError(
-                    f"{self.path}: step {step} was committed by another writer meanwhile"
-                ) from None
-
-        self._together(f"committing step {step}", commit)
-        if comm.rank == 0:
-            written = sum(sizes for row in gathered for sizes in row[1].values())
-            seconds = time.perf_counter() - started
-            log.info("saved step %d: %.1f MiB in %.2f s", step, written / 2**20, seconds)
-            self._retain()
-
-    def _clear(self, step: int) -> None:
-        """Before saving ``step``: refuse to replace it if committed; remove uncommitted
-        leftovers of earlier crashed saves (nobody can be writing them: saves are collective
-        and this one has not begun)."""
-        folder = step_dir(step)
-        if self._committed(folder):
-            raise CheckpointError(
-                f"{self.path}: step {step} is already committed; save under a new step, "
-                f"or delete {folder} first"
-            )
-        for name in self.storage.list(""):
-            if parse_step_dir(name) is not None and not self._committed(name):
-                self.storage.delete(name)
-
-    def _retain(self) -> None:
-        if self.keep is None:
+    def _surface_failure(self) -> None:
+        """Raise (or warn about) a background save that failed since the last call."""
+        with self._lock:
+            failure, self._failure = self._failure, None
+        if failure is None:
             return
-        for step in self.steps()[: -self.keep]:
-            # Manifest first: from that moment no reader sees a half-deleted checkpoint.
-            self.storage.delete(f"{step_dir(step)}/{MANIFEST}")
-            self.storage.delete(step_dir(step))
+        step, error = failure
+        message = f"the background save of step {step} failed: {error}"
+        if self.on_error == "warn":
+            warnings.warn(f"{message}; training goes on", stacklevel=3)
+            return
+        raise CheckpointError(message) from error
+
+    def wait(self) -> None:
+        """Wait until every save started so far is committed, skipped or failed, and raise
+        a failure the way the next `save` would."""
+        with self._lock:
+            pending = [p._future for p in self._pending]
+        futures.wait(pending)  # failures were recorded by _persist: surfaced once, below
+        self._surface_failure()
 
     # -- restore ---------------------------------------------------------------------
 
@@ -252,152 +259,24 @@ class Checkpointer:
         tensors where possible; Stateful objects then get ``load_state_dict``; plain JSON
         values are replaced in ``state``. Keys, shapes and files are all checked on every
         rank before any byte of ``state`` changes. ``strict=False`` skips top-level
-        entries and module parameters present on one side only.
+        entries and module parameters present on one side only. Saves still in the
+        background are waited for first.
         """
-        comm = self._comm
+        self.wait()
+        return restoring.restore(self, state, step, strict)
 
-        requested = comm.all_gather(step)
-        if len(set(requested)) > 1:
-            raise CheckpointError(
-                f"ranks disagree on the step to restore: {dict(enumerate(requested))}; "
-                "every rank must call restore() with the same step"
-            )
-
-        def choose() -> int | None:
-            if comm.rank != 0:
-                return None
-            if step is not None:
-                self.manifest(step)  # raises a clear error if it is not committed
-                return step
-            steps = self.steps()
-            return steps[-1] if steps else None
-
-        chosen: int | None = comm.broadcast(self._together("finding a checkpoint", choose))
-        if chosen is None:
-            return None
-        folder = step_dir(chosen)
-        # Fresh optimizers get their state tensors first, so that the checkpoint is read
-        # into them in place, sharded like their parameters (FSDP2 needs DTensor state).
-        fresh = [o for o in state.values() if isinstance(o, Optimizer) and _init_state(o)]
-        try:
-            manifest, tree, reads = self._together(
-                f"checking step {chosen}", lambda: self._restore_plan(state, chosen, strict)
-            )
-        except BaseException:
-            for optim in fresh:
-                optim.state.clear()  # as it was: nothing changes when a restore is refused
-            raise
-
-        def read_one(job: tuple[Any, ...]) -> tuple[str, torch.Tensor]:
-            key, dest, region, offsets, chunks = job
-            entry = manifest.tensors[key]
-            if dest is None:
-                dest = region = torch.empty(entry.shape, dtype=entry.torch_dtype)
-            fill(self.storage, folder, key, entry, chunks, region, offsets)
-            return key, dest
-
-        def read() -> dict[str, torch.Tensor]:
-            # Threads overlap one block's checksum (which holds the GIL) with the next
-            # block's read (which releases it), and keep several reads in flight.
-            with ThreadPoolExecutor(self.io_threads) as pool:
-                return dict(pool.map(read_one, reads))
-
-        loaded = self._together(f"reading step {chosen}", read)
-
-        def apply() -> None:
-            for name, encoded in tree.items():
-                value = decode(encoded, loaded)
-                target = state[name]
-                if isinstance(target, nn.Module):
-                    target.load_state_dict(value, strict=strict)
-                elif is_stateful(target):
-                    target.load_state_dict(value)
-                elif not isinstance(target, torch.Tensor):
-                    state[name] = value
-
-        self._together(f"loading step {chosen} into the state", apply)
-        return chosen
-
-    def _restore_plan(
-        self, state: Mapping[str, Any], step: int, strict: bool
-    ) -> tuple[Manifest, dict[str, Any], list[Any]]:
-        """Check everything a restore will touch, and list the reads it needs."""
-        manifest = self.manifest(step)
-        where = f"{self.path}/{step_dir(step)}"
-        if manifest.world_size != self._comm.world_size:
-            raise CheckpointError(
-                f"{where} was saved by {manifest.world_size} ranks and this job has "
-                f"{self._comm.world_size}; restore it with the same number of ranks"
-            )
-        saved = manifest.objects_for(self._comm.rank)
-        current, _ = capture(state)
-        names = saved.keys() & state.keys()
-        if strict:
-            _mismatch(where, "state entry", state.keys() - saved.keys(), saved.keys() - names)
-        tree = {}
-        for name in names:
-            keys = set(tensor_keys(saved[name]))
-            if isinstance(state[name], nn.Module):
-                here = {k for k in current if k.startswith(f"{name}/")}
-                if strict:
-                    _mismatch(where, f"tensor of {name!r}", here - keys, keys - here)
-                keys &= here
-            tree[name] = _prune(saved[name], keys)
-        reads = []
-        files: set[str] = set()
-        for name in tree:
-            for key in tensor_keys(tree[name]):
-                entry = manifest.tensors.get(key)
-                if entry is None:
-                    raise CheckpointError(f"{where}: the manifest lists no tensor {key!r}")
-                dest = current.get(key)
-                region, offsets = dest, [0] * len(entry.shape)
-                if isinstance(dest, DTensor):
-                    region, offsets = dest.to_local(), list(dtensor_offsets(dest))
-                if dest is not None and list(dest.shape) != entry.shape:
-                    raise CheckpointError(
-                        f"{where}: tensor {key!r} has shape {entry.shape} in the checkpoint "
-                        f"but {list(dest.shape)} in the state; build the model with the "
-                        "configuration it was saved with"
-                    )
-                rank = self._comm.rank
-                chunks = [c for c in entry.chunks if c.ranks is None or rank in c.ranks]
-                files.update(c.file for c in chunks)
-                reads.append((key, dest, region, offsets, chunks))
-        for file in sorted(files):
-            try:
-                size = self.storage.size(f"{step_dir(step)}/{file}")
-            except FileNotFoundError:
-                raise CheckpointError(
-                    f"{where}/{file} is missing; the checkpoint is damaged. Restore an "
-                    "earlier step (see `unbroken ls`)"
-                ) from None
-            if size != manifest.files[file]:
-                raise CheckpointError(
-                    f"{where}/{file} is {size} bytes but was written with "
-                    f"{manifest.files[file]}: it is truncated or damaged. Restore an "
-                    "earlier step (see `unbroken ls`)"
-                )
-        return manifest, tree, reads
-
-    # -- plumbing --------------------------------------------------------------------
-
-    def _together(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on every rank; if it fails anywhere, raise everywhere."""
-        error: BaseException | None = None
-        try:
-            result = fn()
-        except Exception as e:
-            error = e
-        failures = self._comm.agree(None if error is None else f"{error}")
-        if error is not None:
-            raise error
-        if failures:
-            raise CheckpointError(f"{what} failed on another rank: {'; '.join(failures)}")
-        return result
+    # -- shutdown --------------------------------------------------------------------
 
     def close(self) -> None:
-        self._comm.close()
+        """Wait for background saves, then release the checkpointer's process group."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._worker.shutdown(wait=True)
+            self._comm.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -409,53 +288,33 @@ class Checkpointer:
         return f"Checkpointer({self.path!r}, rank={self.rank}/{self._comm.world_size})"
 
 
-def _init_state(optim: Optimizer) -> bool:
-    """Give a fresh optimizer its state with one zero-learning-rate step on zero grads.
-    Returns False, doing nothing, if it already has state or any grad is set."""
-    params = [p for group in optim.param_groups for p in group["params"]]
-    if optim.state or any(p.grad is not None for p in params):
-        return False
-    lrs = [group["lr"] for group in optim.param_groups]
-    for group in optim.param_groups:
-        group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
-    for p in params:
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    try:
-        optim.step()
-    finally:
-        for group, lr in zip(optim.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        optim.zero_grad(set_to_none=True)
-    return True
+def _at_exit(ckpt: Checkpointer) -> None:
+    """At interpreter exit, say so if a save is still persisting, then let it finish.
 
+    Registered with threading's exit hooks, which run (newest first) before the
+    interpreter joins worker threads, so the warning comes before the wait."""
+    ref = weakref.ref(ckpt)
 
-def _mismatch(where: str, what: str, missing: set[str], unexpected: set[str]) -> None:
-    problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint: {sorted(missing)[:10]}")
-    if unexpected:
-        problems.append(f"in the checkpoint but not in the state: {sorted(unexpected)[:10]}")
-    if problems:
-        raise CheckpointError(
-            f"{where}: {what} keys differ ({'; '.join(problems)}); pass strict=False to "
-            "restore only the keys both have"
-        )
+    def check() -> None:
+        live = ref()
+        if live is None or live._closed:
+            return
+        with live._lock:
+            pending = [p.step for p in live._pending if not p.done()]
+        if pending:
+            log.warning(
+                "exiting with saves of steps %s still persisting; waiting for them "
+                "(call Checkpointer.close() or use `with` to wait explicitly)",
+                pending,
+            )
+        live._worker.shutdown(wait=True)
 
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - CPython has had it since 3.9
+        import atexit
 
-def _prune(tree: Any, keep: set[str]) -> Any:
-    """``tree`` without the tensor placeholders whose key is not in ``keep``."""
-    if isinstance(tree, list):
-        return [_prune(v, keep) for v in tree]
-    if isinstance(tree, dict):
-        if "__tensor__" in tree:
-            return tree
-        return {
-            k: _prune(v, keep)
-            for k, v in tree.items()
-            if not (isinstance(v, dict) and "__tensor__" in v and v["__tensor__"] not in keep)
-        }
-    return tree
+        register = atexit.register
+    register(check)
 
 
 def _summary(steps: list[int]) -> str:

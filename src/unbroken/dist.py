@@ -8,11 +8,16 @@ Messages are JSON, not pickles: nothing received from another process executes c
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from unbroken.errors import CheckpointError
+
+T = TypeVar("T")
 
 
 class Comm:
@@ -56,10 +61,22 @@ class Comm:
         dist.broadcast(buf, group=self.group, group_src=0)
         return json.loads(buf.numpy().tobytes())
 
-    def agree(self, error: str | None) -> list[str]:
-        """Exchange per-rank errors so that every rank fails, or goes on, together."""
-        errors = self.all_gather(error)
-        return [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    def together(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank; if it fails on any rank, raise on every rank.
+
+        A rank that fails still takes part in the exchange, so the others learn of the
+        failure instead of waiting for a collective that never comes."""
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
+        errors = self.all_gather(None if error is None else str(error))
+        if error is not None:
+            raise error
+        if failures := [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]:
+            raise CheckpointError(f"{what} failed on another rank: {'; '.join(failures)}")
+        return result
 
     def close(self) -> None:
         if self.group is not None and dist.is_initialized():

@@ -29,16 +29,13 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 def local_block(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """The part of ``t`` this rank holds, as a contiguous CPU tensor, and its offsets
-    in the global tensor. A DTensor contributes its local shard; anything else is whole."""
+    """The part of ``t`` this rank holds, contiguous, and its offsets in the global tensor.
+    A DTensor contributes its local shard; anything else is whole."""
     if isinstance(t, DTensor):
         local, offsets = t.to_local(), dtensor_offsets(t)
     else:
         local, offsets = t, (0,) * t.dim()
-    local = local.detach()
-    if local.device.type != "cpu":
-        local = local.cpu()
-    return local.contiguous(), offsets
+    return local.detach().contiguous(), offsets
 
 
 def dtensor_offsets(t: DTensor) -> tuple[int, ...]:

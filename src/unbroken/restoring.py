@@ -1,0 +1,206 @@
+"""The restore pipeline: choose a step every rank agrees on, check everything it will touch,
+read straight into the live tensors, then hand each Stateful its state.
+
+Keys, shapes, files and sizes are all checked on every rank before any byte of the state
+changes, so bad input costs nothing. A checksum failure found while reading leaves the
+state partly overwritten; the error says so, and which step to try instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from unbroken.errors import CheckpointError
+from unbroken.format import Manifest, step_dir
+from unbroken.shards import dtensor_offsets, fill
+from unbroken.state import capture, decode, is_stateful, tensor_keys
+
+if TYPE_CHECKING:
+    from unbroken.checkpointer import Checkpointer
+
+
+def restore(
+    ckpt: Checkpointer, state: MutableMapping[str, Any], step: int | None, strict: bool
+) -> int | None:
+    comm = ckpt._comm
+
+    requested = comm.all_gather(step)
+    if len(set(requested)) > 1:
+        raise CheckpointError(
+            f"ranks disagree on the step to restore: {dict(enumerate(requested))}; "
+            "every rank must call restore() with the same step"
+        )
+
+    def choose() -> int | None:
+        if comm.rank != 0:
+            return None
+        if step is not None:
+            ckpt.manifest(step)  # raises a clear error if it is not committed
+            return step
+        steps = ckpt.steps()
+        return steps[-1] if steps else None
+
+    chosen: int | None = comm.broadcast(comm.together("finding a checkpoint", choose))
+    if chosen is None:
+        return None
+    folder = step_dir(chosen)
+    # Fresh optimizers get their state tensors first, so that the checkpoint is read
+    # into them in place, sharded like their parameters (FSDP2 needs DTensor state).
+    fresh = [o for o in state.values() if isinstance(o, Optimizer) and _init_state(o)]
+    try:
+        manifest, tree, reads = comm.together(
+            f"checking step {chosen}", lambda: _check(ckpt, state, chosen, strict)
+        )
+    except BaseException:
+        for optim in fresh:
+            optim.state.clear()  # as it was: nothing changes when a restore is refused
+        raise
+
+    def read_one(job: tuple[Any, ...]) -> tuple[str, torch.Tensor]:
+        key, dest, region, offsets, chunks = job
+        entry = manifest.tensors[key]
+        if dest is None:
+            dest = region = torch.empty(entry.shape, dtype=entry.torch_dtype)
+        fill(ckpt.storage, folder, key, entry, chunks, region, offsets)
+        return key, dest
+
+    def read() -> dict[str, torch.Tensor]:
+        # Threads overlap one block's checksum (which holds the GIL) with the next
+        # block's read (which releases it), and keep several reads in flight.
+        with ThreadPoolExecutor(ckpt.io_threads) as pool:
+            return dict(pool.map(read_one, reads))
+
+    loaded = comm.together(f"reading step {chosen}", read)
+
+    def apply() -> None:
+        for name, encoded in tree.items():
+            value = decode(encoded, loaded)
+            target = state[name]
+            if isinstance(target, nn.Module):
+                target.load_state_dict(value, strict=strict)
+            elif is_stateful(target):
+                target.load_state_dict(value)
+            elif not isinstance(target, torch.Tensor):
+                state[name] = value
+
+    comm.together(f"loading step {chosen} into the state", apply)
+    return chosen
+
+
+def _check(
+    ckpt: Checkpointer, state: Mapping[str, Any], step: int, strict: bool
+) -> tuple[Manifest, dict[str, Any], list[Any]]:
+    """Check everything a restore will touch, and list the reads it needs."""
+    manifest = ckpt.manifest(step)
+    where = f"{ckpt.path}/{step_dir(step)}"
+    if manifest.world_size != ckpt._comm.world_size:
+        raise CheckpointError(
+            f"{where} was saved by {manifest.world_size} ranks and this job has "
+            f"{ckpt._comm.world_size}; restore it with the same number of ranks"
+        )
+    saved = manifest.objects_for(ckpt._comm.rank)
+    current, _ = capture(state)
+    names = saved.keys() & state.keys()
+    if strict:
+        _mismatch(where, "state entry", state.keys() - saved.keys(), saved.keys() - names)
+    tree = {}
+    for name in names:
+        keys = set(tensor_keys(saved[name]))
+        if isinstance(state[name], nn.Module):
+            here = {k for k in current if k.startswith(f"{name}/")}
+            if strict:
+                _mismatch(where, f"tensor of {name!r}", here - keys, keys - here)
+            keys &= here
+        tree[name] = _prune(saved[name], keys)
+    reads = []
+    files: set[str] = set()
+    for name in tree:
+        for key in tensor_keys(tree[name]):
+            entry = manifest.tensors.get(key)
+            if entry is None:
+                raise CheckpointError(f"{where}: the manifest lists no tensor {key!r}")
+            dest = current.get(key)
+            region, offsets = dest, [0] * len(entry.shape)
+            if isinstance(dest, DTensor):
+                region, offsets = dest.to_local(), list(dtensor_offsets(dest))
+            if dest is not None and list(dest.shape) != entry.shape:
+                raise CheckpointError(
+                    f"{where}: tensor {key!r} has shape {entry.shape} in the checkpoint "
+                    f"but {list(dest.shape)} in the state; build the model with the "
+                    "configuration it was saved with"
+                )
+            rank = ckpt._comm.rank
+            chunks = [c for c in entry.chunks if c.ranks is None or rank in c.ranks]
+            files.update(c.file for c in chunks)
+            reads.append((key, dest, region, offsets, chunks))
+    for file in sorted(files):
+        try:
+            size = ckpt.storage.size(f"{step_dir(step)}/{file}")
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{where}/{file} is missing; the checkpoint is damaged. Restore an "
+                "earlier step (see `unbroken ls`)"
+            ) from None
+        if size != manifest.files[file]:
+            raise CheckpointError(
+                f"{where}/{file} is {size} bytes but was written with "
+                f"{manifest.files[file]}: it is truncated or damaged. Restore an "
+                "earlier step (see `unbroken ls`)"
+            )
+    return manifest, tree, reads
+
+
+def _init_state(optim: Optimizer) -> bool:
+    """Give a fresh optimizer its state with one zero-learning-rate step on zero grads.
+    Returns False, doing nothing, if it already has state or any grad is set."""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    if optim.state or any(p.grad is not None for p in params):
+        return False
+    lrs = [group["lr"] for group in optim.param_groups]
+    for group in optim.param_groups:
+        group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        optim.zero_grad(set_to_none=True)
+    return True
+
+
+def _mismatch(where: str, what: str, missing: set[str], unexpected: set[str]) -> None:
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {sorted(missing)[:10]}")
+    if unexpected:
+        problems.append(f"in the checkpoint but not in the state: {sorted(unexpected)[:10]}")
+    if problems:
+        raise CheckpointError(
+            f"{where}: {what} keys differ ({'; '.join(problems)}); pass strict=False to "
+            "restore only the keys both have"
+        )
+
+
+def _prune(tree: Any, keep: set[str]) -> Any:
+    """``tree`` without the tensor placeholders whose key is not in ``keep``."""
+    if isinstance(tree, list):
+        return [_prune(v, keep) for v in tree]
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            return tree
+        return {
+            k: _prune(v, keep)
+            for k, v in tree.items()
+            if not (isinstance(v, dict) and "__tensor__" in v and v["__tensor__"] not in keep)
+        }
+    return tree

@@ -1,0 +1,194 @@
+"""The save pipeline: capture and stage in the caller's thread, persist in the background.
+
+Persisting is collective. Its phases, each ending with every rank agreeing:
+
+1. hash every staged block and agree on the step (or on skipping it);
+2. write: each rank writes the blocks the plan gives it (replicated ones once in all)
+   and makes them durable;
+3. commit: rank 0 writes the manifest atomically. Only now does the step exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unbroken.errors import CheckpointError
+from unbroken.format import MANIFEST, Manifest, checksum, dtype_name, parse_step_dir, step_dir
+from unbroken.plan import Block, make_plan
+from unbroken.shards import byte_view, local_block, write_blocks
+from unbroken.staging import Arena
+from unbroken.state import capture
+
+if TYPE_CHECKING:
+    from unbroken.checkpointer import Checkpointer
+
+log = logging.getLogger("unbroken")
+
+
+@dataclass(kw_only=True)
+class Staged:
+    """One save, captured: the blocks to write (live tensors, or copies in an arena)."""
+
+    step: int
+    keys: list[str]
+    blocks: list[torch.Tensor]  # contiguous, on the CPU once ``ready`` has completed
+    offsets: list[tuple[int, ...]]
+    shapes: list[tuple[int, ...]]  # global shapes
+    tree: dict[str, Any]
+    arena: Arena | None = None
+    ready: torch.cuda.Event | None = None
+    skipped: bool = False
+    error: str | None = None  # staging failed on this rank
+
+
+def stage(step: int, state: Mapping[str, Any], arena: Arena | None) -> Staged:
+    """Capture ``state``; with an ``arena``, copy its tensors there so the caller may change
+    them as soon as this returns. Without one, the blocks are the live (CPU) tensors."""
+    tensors, tree = capture(state)
+    keys, blocks, offsets, shapes = [], [], [], []
+    for key, t in tensors.items():
+        local, where = local_block(t)
+        if arena is None and local.is_cuda:
+            local = local.cpu()
+        keys.append(key)
+        blocks.append(local)
+        offsets.append(where)
+        shapes.append(tuple(t.shape))
+    ready = None
+    if arena is not None:
+        blocks, ready = arena.stage(blocks)
+    return Staged(
+        step=step, keys=keys, blocks=blocks, offsets=offsets, shapes=shapes, tree=tree,
+        arena=arena, ready=ready,
+    )  # fmt: skip
+
+
+def skipped(step: int) -> Staged:
+    """A save this rank skips: it still takes part in the exchange, so every rank skips."""
+    return Staged(step=step, keys=[], blocks=[], offsets=[], shapes=[], tree={}, skipped=True)
+
+
+def failed(step: int, error: BaseException) -> Staged:
+    """A save this rank could not stage: it takes part in the exchange, failing it."""
+    return Staged(step=step, keys=[], blocks=[], offsets=[], shapes=[], tree={}, error=str(error))
+
+
+def persist(ckpt: Checkpointer, staged: Staged) -> bool:
+    """Write and commit ``staged``; False if some rank skipped this step."""
+    started = time.perf_counter()
+    comm, step, folder = ckpt._comm, staged.step, step_dir(staged.step)
+
+    def describe() -> list[Block]:
+        if staged.error is not None:
+            raise CheckpointError(staged.error)
+        if staged.ready is not None:
+            staged.ready.synchronize()
+        if comm.rank == 0 and not staged.skipped:
+            _clear(ckpt, step)
+        return [
+            Block(
+                key=key,
+                dtype=dtype_name(t.dtype),
+                shape=shape,
+                offsets=offsets,
+                local_shape=tuple(t.shape),
+                nbytes=t.nbytes,
+                xxh3=checksum(byte_view(t)),
+            )
+            for key, t, offsets, shape in zip(
+                staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True
+            )
+        ]
+
+    blocks = comm.together(f"saving step {step}", describe)
+    rows = comm.all_gather([step, staged.skipped, [b.to_json() for b in blocks]])
+    if skippers := [rank for rank, row in enumerate(rows) if row[1]]:
+        if comm.rank == 0:
+            log.warning(
+                "step %d skipped: the previous save was still persisting on ranks %s",
+                step,
+                skippers,
+            )
+        return False
+    steps = [row[0] for row in rows]
+    if len(set(steps)) > 1:
+        raise CheckpointError(
+            f"ranks disagree on the step to save: {dict(enumerate(steps))}; "
+            "every rank must call save() with the same step"
+        )
+    plan = make_plan([[Block.from_json(b) for b in row[2]] for row in rows])
+    mine = set(plan.writes[comm.rank])
+    to_write = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
+    locations, sizes = comm.together(
+        f"writing step {step}",
+        lambda: write_blocks(ckpt.storage, folder, comm.rank, to_write, ckpt.io_threads),
+    )
+    gathered = comm.all_gather([locations, sizes, staged.tree])
+
+    def commit() -> None:
+        if comm.rank != 0:
+            return
+        files: dict[str, int] = {}
+        trees: list[dict[str, Any]] = []
+        rank_objects: list[int] = []
+        for rank, (where, rank_sizes, rank_tree) in enumerate(gathered):
+            files.update(rank_sizes)
+            for key, (file, start, end) in where.items():
+                chunk = plan.chunk_of[rank, key]
+                chunk.file, chunk.start, chunk.end = file, start, end
+            if rank_tree not in trees:
+                trees.append(rank_tree)
+            rank_objects.append(trees.index(rank_tree))
+        manifest = Manifest(
+            step=step,
+            world_size=comm.world_size,
+            created=time.time(),
+            tensors=plan.tensors,
+            objects=trees,
+            rank_objects=rank_objects,
+            files=files,
+        )
+        try:
+            ckpt.storage.commit(f"{folder}/{MANIFEST}", manifest.to_json())
+        except FileExistsError:
+            raise CheckpointError(
+                f"{ckpt.path}: step {step} was committed by another writer meanwhile"
+            ) from None
+
+    comm.together(f"committing step {step}", commit)
+    if comm.rank == 0:
+        written = sum(size for row in gathered for size in row[1].values())
+        seconds = time.perf_counter() - started
+        log.info("saved step %d: %.1f MiB in %.2f s", step, written / 2**20, seconds)
+        _retain(ckpt)
+    return True
+
+
+def _clear(ckpt: Checkpointer, step: int) -> None:
+    """Before saving ``step``: refuse to replace it if committed; remove uncommitted
+    leftovers of earlier crashed saves (nobody can be writing them: saves are collective,
+    persisted one at a time, and this one has not begun)."""
+    folder = step_dir(step)
+    if ckpt._committed(folder):
+        raise CheckpointError(
+            f"{ckpt.path}: step {step} is already committed; save under a new step, "
+            f"or delete {folder} first"
+        )
+    for name in ckpt.storage.list(""):
+        if parse_step_dir(name) is not None and not ckpt._committed(name):
+            ckpt.storage.delete(name)
+
+
+def _retain(ckpt: Checkpointer) -> None:
+    if ckpt.keep is None:
+        return
+    for step in ckpt.steps()[: -ckpt.keep]:
+        # Manifest first: from that moment no reader sees a half-deleted checkpoint.
+        ckpt.storage.delete(f"{step_dir(step)}/{MANIFEST}")
+        ckpt.storage.delete(step_dir(step))

@@ -1,0 +1,94 @@
+"""Staging: a reusable, bounded host copy of the state, so training can go on while it is
+written.
+
+An `Arena` is one host buffer (pinned when the state is on CUDA), sized from the state on
+first use and reused by every later save: copying into memory that was already touched
+is ~10x faster here than into fresh pages, and host memory stays fixed. A `Stager` owns
+at most ``buffers`` arenas; a save that finds none free waits for one or is skipped.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+_ALIGN = 64  # every block starts on a cache line, so typed views of the buffer are valid
+
+
+class Arena:
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def stage(
+        self, blocks: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Copy ``blocks`` (contiguous, on CPU or CUDA) into the arena; return the copies and,
+        for CUDA blocks, an event that completes when they have landed.
+
+        On return the caller may modify the originals at once: CPU copies are done, and the
+        current CUDA stream is made to wait for the side-stream copies, so kernels it runs
+        next cannot change a tensor before it has been copied."""
+        offsets, total = [], 0
+        for t in blocks:
+            offsets.append(total)
+            total += -(-t.nbytes // _ALIGN) * _ALIGN
+        on_cuda = [t for t in blocks if t.is_cuda]
+        if self.buffer is None or self.buffer.numel() < total:
+            self.buffer = None  # free the old buffer before allocating its replacement
+            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=bool(on_cuda))
+        copies = [
+            self.buffer[o : o + t.nbytes].view(t.dtype).view(t.shape)
+            for o, t in zip(offsets, blocks, strict=True)
+        ]
+        for dst, src in zip(copies, blocks, strict=True):
+            if not src.is_cuda:
+                dst.copy_(src)
+        if not on_cuda:
+            return copies, None
+        device = on_cuda[0].device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        main = torch.cuda.current_stream(device)
+        self._stream.wait_stream(main)  # copy what the queued kernels will have produced
+        with torch.cuda.stream(self._stream):
+            for dst, src in zip(copies, blocks, strict=True):
+                if src.is_cuda:
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(self._stream)  # keep temporaries alive until copied
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        main.wait_stream(self._stream)
+        return copies, done
+
+
+class Stager:
+    """Hands out at most ``buffers`` arenas; thread-safe (the save worker releases them)."""
+
+    def __init__(self, buffers: int) -> None:
+        self._free = [Arena() for _ in range(buffers)]
+        self._cond = threading.Condition()
+
+    def acquire(self, wait: bool) -> Arena | None:
+        with self._cond:
+            if not wait and not self._free:
+                return None
+            self._cond.wait_for(lambda: bool(self._free))
+            return self._free.pop()
+
+    def release(self, arena: Arena) -> None:
+        with self._cond:
+            self._free.append(arena)
+            self._cond.notify()
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the arenas that are not in use."""
+        with self._cond:
+            return sum(a.nbytes for a in self._free)
