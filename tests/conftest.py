@@ -1,7 +1,14 @@
 from __future__ import annotations
 
+import logging
+import uuid
+from collections.abc import Iterator
+
+import pytest
 import torch
 from torch import nn
+
+from ranks import free_port
 
 
 def make_model(seed: int = 0) -> nn.Sequential:
@@ -18,3 +25,45 @@ def train_steps(model: nn.Module, optim: torch.optim.Optimizer, n: int) -> list[
         optim.step()
         losses.append(loss.item())
     return losses
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """A real S3 server (moto's), on loopback, for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+def s3_client(endpoint: str):
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+    )
+
+
+@pytest.fixture
+def bucket(moto_endpoint: str) -> tuple[str, dict]:
+    """A fresh bucket: its URI and the storage options that reach it."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    s3_client(moto_endpoint).create_bucket(Bucket=name)
+    options = {
+        "endpoint": moto_endpoint,
+        "region": "us-east-1",
+        "path_style": True,
+        "access_key_id": "test",
+        "secret_access_key": "test",
+        "part_size": 5 << 20,
+        "retry_timeout": 10.0,
+    }
+    return f"s3://{name}/runs/exp", options

@@ -95,7 +95,7 @@ def test_an_uncommitted_directory_is_invisible_and_cleaned_up_by_the_next_save(t
     assert ckpt.steps() == [1]
     assert ckpt.restore(_state()) == 1
     ckpt.save(3, state)
-    assert sorted(os.listdir(tmp_path)) == [step_dir(1), step_dir(3)]
+    assert sorted(os.listdir(tmp_path)) == ["latest", step_dir(1), step_dir(3)]
 
 
 def test_a_committed_step_is_never_overwritten(tmp_path):
@@ -240,7 +240,7 @@ def test_keep_retains_the_newest_checkpoints(tmp_path):
     for step in range(1, 5):
         ckpt.save(step, state)
     assert ckpt.steps() == [3, 4]
-    assert sorted(os.listdir(tmp_path)) == [step_dir(3), step_dir(4)]
+    assert sorted(os.listdir(tmp_path)) == ["latest", step_dir(3), step_dir(4)]
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ def test_public_api_is_small_and_importable():
         "CheckpointError",
         "Checkpointer",
         "CorruptCheckpointError",
+        "PendingSave",
         "Progress",
         "RNGState",
         "Stateful",

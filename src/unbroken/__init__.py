@@ -6,7 +6,7 @@
 >>> step = ckpt.restore(state)
 """
 
-from unbroken.checkpointer import Checkpointer
+from unbroken.checkpointer import Checkpointer, PendingSave
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.state import Progress, RNGState, Stateful
 
@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "CorruptCheckpointError",
+    "PendingSave",
     "Progress",
     "RNGState",
     "Stateful",

@@ -3,6 +3,7 @@ synchronously or in the background."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from unbroken import restoring, saving
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
-from unbroken.format import MANIFEST, Manifest, parse_step_dir, step_dir
+from unbroken.format import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
 from unbroken.staging import Stager
 from unbroken.storage import Storage, open_storage
 
@@ -64,7 +65,11 @@ class Checkpointer:
     rank sees (a shared file system) when ranks run on several nodes.
 
     Args:
-        path: a directory (created if missing).
+        path: a directory (created if missing), or ``s3://bucket/prefix``, or any URL
+            fsspec knows (``gs://``, ``az://``, ``memory://``...).
+        storage_options: for S3, the fields of `unbroken.storage.s3.S3Options`
+            (endpoint, region, path_style, credentials, part_size, concurrency,
+            timeouts); for fsspec URLs, arguments of the file system.
         keep: keep only the newest ``keep`` committed checkpoints; ``None`` keeps all.
         process_group: the ranks that checkpoint together; default: all of them.
         timeout: how long a rank waits for the others during save or restore (seconds).
@@ -80,6 +85,7 @@ class Checkpointer:
         self,
         path: str | os.PathLike[str],
         *,
+        storage_options: dict[str, Any] | None = None,
         keep: int | None = None,
         process_group: dist.ProcessGroup | None = None,
         timeout: float = 600.0,
@@ -103,7 +109,7 @@ class Checkpointer:
         self.io_threads = io_threads
         self.if_busy = if_busy
         self.on_error = on_error
-        self.storage: Storage = open_storage(self.path)
+        self.storage: Storage = open_storage(self.path, storage_options)
         self._comm = Comm(process_group, timedelta(seconds=timeout))
         self._stager = Stager(staging_buffers)
         # One worker persists saves in order: every rank then issues the same collectives
@@ -150,6 +156,19 @@ class Checkpointer:
         if manifest.step != step:
             raise CheckpointError(f"{where} says it is step {manifest.step}, not {step}")
         return manifest
+
+    def _latest(self) -> int | None:
+        """The newest committed step, from the ``latest`` pointer (no listing, which is
+        slow and throttled on object stores); by listing if the pointer is absent or
+        points at a step that is gone."""
+        try:
+            step = int(json.loads(self.storage.read(LATEST))["step"])
+            if self._committed(step_dir(step)):
+                return step
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            pass
+        steps = self.steps()
+        return steps[-1] if steps else None
 
     def _committed(self, folder: str) -> bool:
         try:
@@ -242,10 +261,14 @@ class Checkpointer:
     def wait(self) -> None:
         """Wait until every save started so far is committed, skipped or failed, and raise
         a failure the way the next `save` would."""
+        self._drain()
+        self._surface_failure()
+
+    def _drain(self) -> None:
+        """Wait for the worker to finish what it was given (failures stay recorded)."""
         with self._lock:
             pending = [p._future for p in self._pending]
-        futures.wait(pending)  # failures were recorded by _persist: surfaced once, below
-        self._surface_failure()
+        futures.wait(pending)
 
     # -- restore ---------------------------------------------------------------------
 
@@ -260,9 +283,10 @@ class Checkpointer:
         values are replaced in ``state``. Keys, shapes and files are all checked on every
         rank before any byte of ``state`` changes. ``strict=False`` skips top-level
         entries and module parameters present on one side only. Saves still in the
-        background are waited for first.
+        background are waited for first (a failure among them is still raised by the next
+        `save` or `wait`).
         """
-        self.wait()
+        self._drain()
         return restoring.restore(self, state, step, strict)
 
     # -- shutdown --------------------------------------------------------------------

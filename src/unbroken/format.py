@@ -23,6 +23,7 @@ from unbroken.errors import CheckpointError, CorruptCheckpointError
 FORMAT = "unbroken-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
+LATEST = "latest"  # {"step": N}: the newest committed step, moved only after its commit
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 
 DTYPES: dict[torch.dtype, str] = {

@@ -44,8 +44,7 @@ def restore(
         if step is not None:
             ckpt.manifest(step)  # raises a clear error if it is not committed
             return step
-        steps = ckpt.steps()
-        return steps[-1] if steps else None
+        return ckpt._latest()
 
     chosen: int | None = comm.broadcast(comm.together("finding a checkpoint", choose))
     if chosen is None:

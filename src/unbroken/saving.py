@@ -10,6 +10,7 @@ Persisting is collective. Its phases, each ending with every rank agreeing:
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -19,7 +20,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unbroken.errors import CheckpointError
-from unbroken.format import MANIFEST, Manifest, checksum, dtype_name, parse_step_dir, step_dir
+from unbroken.format import (
+    LATEST,
+    MANIFEST,
+    Manifest,
+    checksum,
+    dtype_name,
+    parse_step_dir,
+    step_dir,
+)
 from unbroken.plan import Block, make_plan
 from unbroken.shards import byte_view, local_block, write_blocks
 from unbroken.staging import Arena
@@ -163,6 +172,10 @@ def persist(ckpt: Checkpointer, staged: Staged) -> bool:
 
     comm.together(f"committing step {step}", commit)
     if comm.rank == 0:
+        try:
+            ckpt.storage.replace(LATEST, json.dumps({"step": step}).encode())
+        except Exception as e:  # the step is committed; restore finds it by listing
+            log.warning("step %d is committed but the latest pointer did not move: %s", step, e)
         written = sum(size for row in gathered for size in row[1].values())
         seconds = time.perf_counter() - started
         log.info("saved step %d: %.1f MiB in %.2f s", step, written / 2**20, seconds)

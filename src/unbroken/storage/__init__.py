@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from unbroken.errors import CheckpointError
 
@@ -23,6 +23,10 @@ class Storage(Protocol):
     def commit(self, path: str, data: bytes) -> None:
         """Create ``path`` atomically, all or nothing, and durably. Raise
         `FileExistsError` if it exists: two writers never both win."""
+        ...
+
+    def replace(self, path: str, data: bytes) -> None:
+        """Create or replace ``path`` atomically and durably (the ``latest`` pointer)."""
         ...
 
     def read(self, path: str) -> bytes: ...
@@ -44,13 +48,23 @@ class Storage(Protocol):
         ...
 
 
-def open_storage(uri: str | os.PathLike[str]) -> Storage:
+def open_storage(uri: str | os.PathLike[str], options: dict[str, Any] | None = None) -> Storage:
+    """The backend for ``uri``: a local path, ``s3://bucket/prefix`` (options: see
+    `S3Options`), or any other URL fsspec knows (options go to its file system)."""
     from unbroken.storage.local import LocalStorage
 
     text = os.fspath(uri)
     scheme, sep, rest = text.partition("://")
-    if not sep:
-        return LocalStorage(text)
-    if scheme == "file":
-        return LocalStorage(rest)
-    raise CheckpointError(f"{text}: storage scheme {scheme!r} is not supported; use a local path")
+    if not sep or scheme == "file":
+        if options:
+            raise CheckpointError(f"{text}: a local path takes no storage options")
+        return LocalStorage(rest if sep else text)
+    if scheme == "s3":
+        try:
+            from unbroken.storage.s3 import S3Options, S3Storage
+        except ImportError as e:
+            raise CheckpointError(f"{text}: S3 needs `pip install 'unbroken[s3]'` ({e})") from e
+        return S3Storage(text, S3Options.from_dict(options or {}))
+    from unbroken.storage.fsspec import FsspecStorage
+
+    return FsspecStorage(text, options or {})

@@ -51,6 +51,13 @@ class LocalStorage:
             os.unlink(tmp)
         _fsync_dir(os.path.dirname(full))
 
+    def replace(self, path: str, data: bytes) -> None:
+        full = self._full(path)
+        tmp = f"{full}.{uuid.uuid4().hex}.tmp"
+        self.write(os.path.relpath(tmp, self.root), [data])
+        os.replace(tmp, full)
+        _fsync_dir(os.path.dirname(full))
+
     def read(self, path: str) -> bytes:
         with open(self._full(path), "rb") as f:
             return f.read()

@@ -1,0 +1,265 @@
+"""S3-compatible object storage through obstore (Rust, releases the GIL).
+
+Object storage is not a file system, so this backend never renames or copies:
+
+- data objects go up as parallel multipart uploads of ``part_size`` parts;
+- `commit` is a conditional PUT (``If-None-Match: *``) of a small object: of two writers
+  of one step, the second gets `FileExistsError`;
+- reads are parallel ranged GETs of ``part_size`` pieces;
+- throttling (503 SlowDown), 5xx, timeouts and dropped connections are retried with
+  exponential backoff and jitter until ``retry_timeout``; past it the error names the
+  object and the operation.
+
+Multipart uploads that a failure (or a killed process) leaves behind are aborted when
+their object's write fails and when their step is deleted. obstore does not list
+multipart uploads, so that one chore goes through boto3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from functools import cached_property
+from typing import Any
+
+from unbroken.errors import CheckpointError
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3Options:
+    """How to reach a bucket. Credentials default to the usual AWS chain (environment,
+    ``~/.aws`` config and credentials files, SSO, instance roles)."""
+
+    endpoint: str | None = None  # e.g. "http://127.0.0.1:7480"; default: AWS
+    region: str | None = None
+    path_style: bool = False  # https://endpoint/bucket/key instead of bucket.endpoint
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    session_token: str | None = None
+    part_size: int = 16 * _MIB  # multipart part size, and ranged-GET piece size
+    concurrency: int = 16  # parts in flight per object, for uploads and downloads
+    timeout: float = 60.0  # seconds for one request
+    retry_timeout: float = 120.0  # seconds after the first attempt when retries stop
+    max_retries: int = 10
+
+    def __post_init__(self) -> None:
+        if self.part_size < 5 * _MIB:
+            raise ValueError(f"part_size={self.part_size}: S3 parts must be at least 5 MiB")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency={self.concurrency}: at least one request at a time")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError("give both access_key_id and secret_access_key, or neither")
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> S3Options:
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(options) - known):
+            raise ValueError(f"unknown S3 storage options {unknown}; known: {sorted(known)}")
+        return cls(**options)
+
+
+class S3Storage:
+    def __init__(self, uri: str, options: S3Options) -> None:
+        from obstore.store import S3Store
+
+        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise CheckpointError(f"{uri}: name a bucket, as in s3://bucket/prefix")
+        self.uri = uri.rstrip("/")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.options = options
+        config: dict[str, Any] = {"virtual_hosted_style_request": not options.path_style}
+        if options.endpoint:
+            config["endpoint"] = options.endpoint
+            config["allow_http"] = options.endpoint.startswith("http://")
+        if options.region:
+            config["region"] = options.region
+        provider = None
+        if options.access_key_id:
+            config["access_key_id"] = options.access_key_id
+            config["secret_access_key"] = options.secret_access_key
+            if options.session_token:
+                config["session_token"] = options.session_token
+        elif not os.environ.get("AWS_ACCESS_KEY_ID"):
+            provider = _boto3_credentials()
+        self.store = S3Store(
+            bucket,
+            prefix=self.prefix or None,
+            config=config,  # type: ignore[arg-type]
+            client_options={
+                "timeout": timedelta(seconds=options.timeout),
+                "connect_timeout": timedelta(seconds=min(options.timeout, 10)),
+            },
+            retry_config={
+                "max_retries": options.max_retries,
+                "retry_timeout": timedelta(seconds=options.retry_timeout),
+                "backoff": {
+                    "init_backoff": timedelta(milliseconds=100),
+                    "max_backoff": timedelta(seconds=5),
+                    "base": 2,
+                },
+            },
+            credential_provider=provider,
+        )
+        self._pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="unbroken-s3")
+
+    def _where(self, path: str) -> str:
+        return f"{self.uri}/{path}"
+
+    def write(self, path: str, parts: Sequence[memoryview | bytes]) -> None:
+        import obstore
+
+        total = sum(memoryview(p).nbytes for p in parts)
+        try:
+            obstore.put(
+                self.store,
+                path,
+                iter([memoryview(p).cast("B") for p in parts]),
+                use_multipart=total > self.options.part_size,
+                chunk_size=self.options.part_size,
+                max_concurrency=self.options.concurrency,
+            )
+        except Exception as e:
+            self._abort_uploads(path)
+            raise CheckpointError(f"{self._where(path)}: upload failed: {e}") from e
+
+    def commit(self, path: str, data: bytes) -> None:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        try:
+            obstore.put(self.store, path, data, mode="create")
+        except (AlreadyExistsError, PreconditionError):
+            raise FileExistsError(self._where(path)) from None
+        except Exception as e:
+            raise CheckpointError(f"{self._where(path)}: conditional PUT failed: {e}") from e
+
+    def replace(self, path: str, data: bytes) -> None:
+        import obstore
+
+        try:
+            obstore.put(self.store, path, data)  # a PUT replaces an object atomically
+        except Exception as e:
+            raise CheckpointError(f"{self._where(path)}: PUT failed: {e}") from e
+
+    def read(self, path: str) -> bytes:
+        import obstore
+
+        try:
+            return bytes(obstore.get(self.store, path).bytes())
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{self._where(path)}: GET failed: {e}") from e
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        view = out.cast("B")
+        piece = self.options.part_size
+        starts = range(0, len(view), piece)
+        if len(starts) <= 1:
+            self._get_into(path, offset, view)
+            return
+        jobs = [
+            self._pool.submit(self._get_into, path, offset + s, view[s : s + piece]) for s in starts
+        ]
+        for job in jobs:
+            job.result()
+
+    def _get_into(self, path: str, offset: int, out: memoryview) -> None:
+        import obstore
+
+        if not len(out):
+            return
+        try:
+            data = obstore.get_range(self.store, path, start=offset, length=len(out))
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            if self.size(path) < offset + len(out):
+                raise EOFError(f"{self._where(path)} ends before byte {offset + len(out)}") from e
+            raise CheckpointError(f"{self._where(path)}: ranged GET failed: {e}") from e
+        if len(data) != len(out):
+            raise EOFError(f"{self._where(path)} ends before byte {offset + len(out)}")
+        out[:] = data  # obstore owns the response buffer: one copy, into the destination
+
+    def size(self, path: str) -> int:
+        import obstore
+
+        try:
+            return int(obstore.head(self.store, path)["size"])
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{self._where(path)}: HEAD failed: {e}") from e
+
+    def list(self, path: str) -> list[str]:
+        import obstore
+
+        listing = obstore.list_with_delimiter(self.store, path or None)
+        names = [p.rsplit("/", 1)[-1] for p in listing["common_prefixes"]]
+        names += [o["path"].rsplit("/", 1)[-1] for o in listing["objects"]]
+        return sorted(names)
+
+    def delete(self, path: str) -> None:
+        import obstore
+
+        paths = [o["path"] for batch in obstore.list(self.store, path) for o in batch]
+        with contextlib.suppress(FileNotFoundError):  # deleting nothing is fine
+            obstore.delete(self.store, [path, *paths])
+        self._abort_uploads(f"{path}/")
+
+    def _abort_uploads(self, path: str) -> None:
+        """Abort multipart uploads in progress under ``path`` (best effort: a bucket
+        lifecycle rule for incomplete uploads is the backstop)."""
+        key = f"{self.prefix}/{path}" if self.prefix else path
+        try:
+            pages = self._boto3.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=key
+            )
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    self._boto3.abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+        except Exception as e:  # never hide the error that brought us here
+            import logging
+
+            logging.getLogger("unbroken").warning(
+                "could not abort multipart uploads under %s: %s", self._where(path), e
+            )
+
+    @cached_property
+    def _boto3(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        o = self.options
+        return boto3.client(
+            "s3",
+            endpoint_url=o.endpoint,
+            region_name=o.region,
+            aws_access_key_id=o.access_key_id,
+            aws_secret_access_key=o.secret_access_key,
+            aws_session_token=o.session_token,
+            config=Config(
+                s3={"addressing_style": "path" if o.path_style else "auto"},
+                retries={"mode": "standard", "max_attempts": 5},
+            ),
+        )
+
+    def __repr__(self) -> str:
+        return f"S3Storage({self.uri!r})"
+
+
+def _boto3_credentials() -> Any:
+    try:
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:  # boto3 missing: obstore's own environment lookup still applies
+        return None
+    return Boto3CredentialProvider()

@@ -1,0 +1,149 @@
+"""Checkpoints on a real S3 server (moto's, on loopback), with faults injected by a proxy."""
+
+import json
+
+import pytest
+import torch
+
+import unbroken
+from conftest import make_model, s3_client, train_steps
+from servers.faulty_proxy import FaultyProxy
+from unbroken import Checkpointer, CheckpointError
+
+
+def _state(seed=0):
+    model = make_model(seed)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    return {"model": model, "optim": optim, "progress": unbroken.Progress(step=0)}
+
+
+def _big_state():
+    return {"w": torch.randn(3 << 20), "b": torch.randn(1000)}  # 12 MiB: a multipart upload
+
+
+def _uploads(endpoint, uri):
+    bucket = uri.removeprefix("s3://").split("/")[0]
+    return s3_client(endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+def test_save_and_restore_through_s3(bucket):
+    uri, options = bucket
+    state = _state()
+    train_steps(state["model"], state["optim"], 2)
+    ckpt = Checkpointer(uri, storage_options=options)
+    ckpt.save(2, state)
+    ckpt.save(3, _big_state() | state, blocking=False).wait()
+    assert ckpt.steps() == [2, 3]
+    fresh = _state(seed=4)
+    assert Checkpointer(uri, storage_options=options).restore(fresh, step=2) == 2
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(fresh["model"].parameters(), state["model"].parameters(), strict=True)
+    )
+
+
+class CountingStorage:
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.inner, name)
+
+
+def test_restore_finds_the_newest_step_without_listing(bucket):
+    uri, options = bucket
+    ckpt = Checkpointer(uri, storage_options=options, keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, _state())
+    assert json.loads(ckpt.storage.read("latest")) == {"step": 3}
+    reader = Checkpointer(uri, storage_options=options)
+    reader.storage = counting = CountingStorage(reader.storage)
+    assert reader.restore(_state()) == 3
+    assert "list" not in counting.calls
+    assert reader.steps() == [2, 3]  # retention deleted step 1, manifest and data
+
+
+def test_two_writers_of_one_step_cannot_both_commit(bucket):
+    uri, options = bucket
+    first, second = (
+        Checkpointer(uri, storage_options=options),
+        Checkpointer(uri, storage_options=options),
+    )
+    first.save(5, {"w": torch.ones(2)})
+    manifest = first.storage.read("step-000000005/manifest.json")
+    with pytest.raises(FileExistsError):
+        second.storage.commit("step-000000005/manifest.json", b"{}")
+    with pytest.raises(CheckpointError, match="step 5 is already committed"):
+        second.save(5, {"w": torch.zeros(2)})
+    assert first.storage.read("step-000000005/manifest.json") == manifest
+
+
+@pytest.fixture
+def proxy(bucket, moto_endpoint):
+    proxy = FaultyProxy(moto_endpoint)
+    endpoint = proxy.start()
+    uri, options = bucket
+    yield proxy, uri, options | {"endpoint": endpoint, "retry_timeout": 3.0, "max_retries": 4}
+    proxy.stop()
+
+
+def _part_upload(method, path):
+    return method == "PUT" and "partNumber=" in path
+
+
+def _manifest_put(method, path):
+    return method == "PUT" and path.split("?")[0].endswith("manifest.json")
+
+
+@pytest.mark.parametrize(
+    ("kind", "matches", "times"),
+    [
+        ("503", _part_upload, 3),  # throttled three times: retried
+        ("drop", _part_upload, 1),  # connection dropped mid-upload: retried
+        ("delay", _manifest_put, 1),  # a slow reply
+        ("503", _manifest_put, 2),  # throttled commit: retried
+    ],
+)
+def test_transient_faults_are_retried_and_the_save_commits(
+    proxy, moto_endpoint, kind, matches, times
+):
+    proxy_server, uri, options = proxy
+    fault = proxy_server.inject(kind, matches, times=times, seconds=0.5)
+    ckpt = Checkpointer(uri, storage_options=options)
+    state = _big_state()
+    ckpt.save(1, state)
+    assert fault.hits == times
+    restored = {"w": torch.zeros(3 << 20), "b": torch.zeros(1000)}
+    assert Checkpointer(uri, storage_options=options).restore(restored) == 1
+    assert torch.equal(restored["w"], state["w"])
+    assert _uploads(moto_endpoint, uri) == []
+
+
+@pytest.mark.parametrize("matches", [_part_upload, _manifest_put])
+def test_lasting_faults_fail_cleanly_and_lose_nothing(proxy, moto_endpoint, matches):
+    proxy_server, uri, options = proxy
+    ckpt = Checkpointer(uri, storage_options=options)
+    good = _big_state()
+    ckpt.save(1, good)
+    proxy_server.inject("503", matches, times=10_000)
+    with pytest.raises(CheckpointError, match=r"step-000000002/.*(503|Service Unavailable)"):
+        ckpt.save(2, _big_state())
+    proxy_server.clear()
+    assert _uploads(moto_endpoint, uri) == []
+    assert ckpt.steps() == [1]
+    restored = {"w": torch.zeros(3 << 20), "b": torch.zeros(1000)}
+    assert ckpt.restore(restored) == 1 and torch.equal(restored["w"], good["w"])
+    ckpt.save(3, good)  # the next save cleans up after the failed one and commits
+    assert ckpt.steps() == [1, 3]
+    assert ckpt.storage.list("") == ["latest", "step-000000001", "step-000000003"]
+
+
+def test_fsspec_urls_work_through_the_fallback_backend(tmp_path):
+    uri = f"memory://{tmp_path.name}/ckpt"
+    state = _state()
+    ckpt = Checkpointer(uri)
+    ckpt.save(1, state)
+    fresh = _state(seed=3)
+    assert Checkpointer(uri).restore(fresh) == 1
+    assert torch.equal(fresh["model"][0].weight, state["model"][0].weight)
