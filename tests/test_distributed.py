@@ -184,3 +184,64 @@ def test_failures_on_one_rank_fail_every_rank_and_commit_nothing(tmp_path):
     assert "has no committed checkpoint for step 9; committed steps: 1" in r0[3]
     assert r1[3].startswith("finding a checkpoint failed on another rank: rank 0: ")
     assert r0[4] == r1[4] == "6 [2.0, 2.0, 2.0, 2.0] [1, 6]"
+
+
+class CountingReads:
+    def __init__(self, inner):
+        self.inner, self.reads = inner, 0
+
+    def read_into(self, *args):
+        self.reads += 1
+        return self.inner.read_into(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _replicated_reads_job(rank: int, world: int, path: str) -> dict:
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import unbroken
+
+    def build(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = DDP(nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4)))
+        optim = torch.optim.Adam(model.parameters())
+        model(torch.randn(2, 16)).sum().backward()
+        optim.step()
+        return {"model": model, "optim": optim, "local": torch.full((2,), float(rank))}
+
+    saved = build(0)
+    unbroken.Checkpointer(path).save(1, saved)
+    expected = {k: v.clone() for k, v in saved["model"].state_dict().items()}
+    out = {}
+    reads = {}
+    for mode in ("each", "broadcast", "slice"):
+        state = build(rank + 5)
+        state["optim"] = torch.optim.Adam(state["model"].parameters())  # no state yet
+        ckpt = unbroken.Checkpointer(path, replicated_reads=mode)
+        ckpt.storage = counting = CountingReads(ckpt.storage)  # type: ignore[assignment]
+        assert ckpt.restore(state) == 1
+        reads[mode] = counting.reads
+        got = state["model"].state_dict()
+        exp_avg = state["optim"].state_dict()["state"][0]["exp_avg"]
+        out[mode] = (
+            all(torch.equal(got[k], expected[k]) for k in expected)
+            and torch.equal(exp_avg, saved["optim"].state_dict()["state"][0]["exp_avg"])
+            and state["local"].tolist() == [float(rank)] * 2
+        )
+    out["reads"] = reads
+    return out
+
+
+def test_replicated_tensors_read_once_and_broadcast_restore_the_same(tmp_path):
+    r0, r1 = run_ranks(_replicated_reads_job, str(tmp_path))
+    for result in (r0, r1):
+        assert (result["each"], result["broadcast"], result["slice"]) == (True, True, True)
+    # 4 parameters + 12 optimizer tensors are shared; "local" differs per rank.
+    assert r0["reads"] == {"each": 17, "broadcast": 17, "slice": r0["reads"]["slice"]}
+    assert r1["reads"]["broadcast"] == 1  # only its own "local"
+    assert r0["reads"]["slice"] + r1["reads"]["slice"] == 16 + 2  # shared once, split
+    assert 1 < r1["reads"]["slice"] < 17

@@ -79,6 +79,11 @@ class Checkpointer:
             a save that is persisting: ``"wait"`` for one to free, or ``"skip"`` this step.
         on_error: what the next ``save()`` does about a background save that failed:
             ``"raise"`` it, or ``"warn"`` and go on.
+        replicated_reads: how a restore reads tensors that every rank needs whole (DDP
+            parameters and optimizer state): ``"each"`` rank reads them; ``"broadcast"``:
+            rank 0 reads them and broadcasts; ``"slice"``: the ranks share the reading
+            and broadcast what each read. The last two cut storage traffic by the world
+            size, which is what counts on object stores.
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class Checkpointer:
         staging_buffers: int = 1,
         if_busy: Literal["wait", "skip"] = "wait",
         on_error: Literal["raise", "warn"] = "raise",
+        replicated_reads: Literal["each", "broadcast", "slice"] = "each",
     ) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep={keep}: keep at least 1 checkpoint, or None to keep all")
@@ -104,11 +110,16 @@ class Checkpointer:
             raise ValueError(f"if_busy={if_busy!r}: choose 'wait' or 'skip'")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: choose 'raise' or 'warn'")
+        if replicated_reads not in ("each", "broadcast", "slice"):
+            raise ValueError(
+                f"replicated_reads={replicated_reads!r}: choose 'each', 'broadcast' or 'slice'"
+            )
         self.path = os.fspath(path)
         self.keep = keep
         self.io_threads = io_threads
         self.if_busy = if_busy
         self.on_error = on_error
+        self.replicated_reads = replicated_reads
         self.storage: Storage = open_storage(self.path, storage_options)
         self._comm = Comm(process_group, timedelta(seconds=timeout))
         self._stager = Stager(staging_buffers)

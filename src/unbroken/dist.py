@@ -61,6 +61,12 @@ class Comm:
         dist.broadcast(buf, group=self.group, group_src=0)
         return json.loads(buf.numpy().tobytes())
 
+    def broadcast_bytes(self, data: memoryview, src: int) -> None:
+        """Fill ``data`` on every rank with its contents on rank ``src``."""
+        if self.group is not None:
+            tensor = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
+            dist.broadcast(tensor, group=self.group, group_src=src)
+
     def together(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on every rank; if it fails on any rank, raise on every rank.
 

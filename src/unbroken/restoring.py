@@ -8,6 +8,7 @@ state partly overwritten; the error says so, and which step to try instead.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -17,9 +18,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from unbroken.errors import CheckpointError
-from unbroken.format import Manifest, step_dir
-from unbroken.shards import dtensor_offsets, fill
+from unbroken.dist import Comm
+from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.format import Manifest, TensorEntry, checksum, step_dir
+from unbroken.shards import byte_view, dtensor_offsets, fill
 from unbroken.state import capture, decode, is_stateful, tensor_keys
 
 if TYPE_CHECKING:
@@ -62,10 +64,18 @@ def restore(
             optim.state.clear()  # as it was: nothing changes when a restore is refused
         raise
 
+    readers = _readers(comm, manifest, reads, ckpt.replicated_reads)
+    buffers: dict[str, torch.Tensor] = {}
+
     def read_one(job: tuple[Any, ...]) -> tuple[str, torch.Tensor]:
         key, dest, region, offsets, chunks = job
         entry = manifest.tensors[key]
-        if dest is None:
+        if key in readers:  # read by one rank, then broadcast: needs a CPU buffer
+            buffers[key] = region = _cpu_buffer(dest, entry)
+            dest = region if dest is None else dest
+            if readers[key] != comm.rank:
+                return key, dest
+        elif dest is None:
             dest = region = torch.empty(entry.shape, dtype=entry.torch_dtype)
         fill(ckpt.storage, folder, key, entry, chunks, region, offsets)
         return key, dest
@@ -77,6 +87,21 @@ def restore(
             return dict(pool.map(read_one, reads))
 
     loaded = comm.together(f"reading step {chosen}", read)
+    if readers:
+        for key in sorted(readers):  # every rank, in one order: the read phase succeeded
+            comm.broadcast_bytes(byte_view(buffers[key]), readers[key])
+
+        def receive() -> None:
+            for key, reader in readers.items():
+                chunk = manifest.tensors[key].chunks[0]
+                if reader != comm.rank and checksum(byte_view(buffers[key])) != chunk.xxh3:
+                    raise CorruptCheckpointError(
+                        f"{folder}: tensor {key!r} from rank {reader} fails its checksum"
+                    )
+                if loaded[key] is not buffers[key]:
+                    loaded[key].copy_(buffers[key])
+
+        comm.together(f"receiving step {chosen}", receive)
 
     def apply() -> None:
         for name, encoded in tree.items():
@@ -91,6 +116,47 @@ def restore(
 
     comm.together(f"loading step {chosen} into the state", apply)
     return chosen
+
+
+def _readers(comm: Comm, manifest: Manifest, reads: list[Any], mode: str) -> dict[str, int]:
+    """For ``replicated_reads`` other than "each": which rank reads each tensor that every
+    rank restores whole from one stored block (DDP parameters, optimizer state). The
+    others receive it by broadcast instead of fetching the same bytes from storage."""
+    if mode == "each" or comm.world_size == 1:
+        return {}
+    sizes = {
+        key: chunks[0].nbytes
+        for key, dest, _, _, chunks in reads
+        if len(chunks) == 1
+        and chunks[0].ranks is None
+        and chunks[0].shape == manifest.tensors[key].shape
+        and not isinstance(dest, DTensor)
+    }
+    # Only if every rank restores the same set: otherwise each reads its own.
+    digest = checksum(memoryview(json.dumps(sorted(sizes)).encode()))
+    if len(set(comm.all_gather(digest))) > 1:
+        return {}
+    if mode == "broadcast":
+        return dict.fromkeys(sizes, 0)
+    load = [0] * comm.world_size
+    readers = {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):  # "slice": balance the bytes
+        rank = min(range(comm.world_size), key=lambda r: (load[r], r))
+        readers[key] = rank
+        load[rank] += sizes[key]
+    return readers
+
+
+def _cpu_buffer(dest: torch.Tensor | None, entry: TensorEntry) -> torch.Tensor:
+    """``dest`` itself if a broadcast can land in it, else a new CPU tensor."""
+    if (
+        dest is not None
+        and dest.device.type == "cpu"
+        and dest.is_contiguous()
+        and dest.dtype == entry.torch_dtype
+    ):
+        return dest
+    return torch.empty(entry.shape, dtype=entry.torch_dtype)
 
 
 def _check(
