@@ -222,7 +222,7 @@ def _replicated_reads_job(rank: int, world: int, path: str) -> dict:
         state = build(rank + 5)
         state["optim"] = torch.optim.Adam(state["model"].parameters())  # no state yet
         ckpt = unbroken.Checkpointer(path, replicated_reads=mode)
-        ckpt.storage = counting = CountingReads(ckpt.storage)  # type: ignore[assignment]
+        ckpt.storage = counting = CountingReads(ckpt.storage)
         assert ckpt.restore(state) == 1
         reads[mode] = counting.reads
         got = state["model"].state_dict()
