@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from ranks import free_port
+from servers.rgw import RGW, RGWUnavailable, start_rgw
 
 
 def make_model(seed: int = 0) -> nn.Sequential:
@@ -63,6 +65,48 @@ def bucket(moto_endpoint: str) -> tuple[str, dict]:
         "path_style": True,
         "access_key_id": "test",
         "secret_access_key": "test",
+        "part_size": 5 << 20,
+        "retry_timeout": 10.0,
+    }
+    return f"s3://{name}/runs/exp", options
+
+
+@pytest.fixture(scope="session")
+def rgw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RGW]:
+    """A real Ceph RGW, started on loopback for the session (tests/servers/rgw.sh).
+    Skipped, with the reason, where it cannot start; UNBROKEN_REQUIRE_RGW=1 (CI) fails."""
+    try:
+        server = start_rgw(tmp_path_factory.mktemp("rgw"))
+    except RGWUnavailable as e:
+        if os.environ.get("UNBROKEN_REQUIRE_RGW"):
+            pytest.fail(f"RGW required but unavailable: {e.reason}")
+        pytest.skip(f"RGW unavailable: {e.reason}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def rgw_bucket(rgw: RGW) -> tuple[str, dict]:
+    """A fresh bucket on RGW: its URI and the storage options that reach it."""
+    import boto3
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=rgw.endpoint,
+        region_name=rgw.region,
+        aws_access_key_id=rgw.access_key,
+        aws_secret_access_key=rgw.secret_key,
+    )
+    client.create_bucket(Bucket=name)
+    options = {
+        "endpoint": rgw.endpoint,
+        "region": rgw.region,
+        "path_style": True,
+        "access_key_id": rgw.access_key,
+        "secret_access_key": rgw.secret_key,
         "part_size": 5 << 20,
         "retry_timeout": 10.0,
     }

@@ -26,8 +26,13 @@ def _uploads(endpoint, uri):
     return s3_client(endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", [])
 
 
-def test_save_and_restore_through_s3(bucket):
-    uri, options = bucket
+@pytest.fixture(params=["moto", pytest.param("rgw", marks=pytest.mark.rgw)])
+def any_bucket(request):
+    return request.getfixturevalue("bucket" if request.param == "moto" else "rgw_bucket")
+
+
+def test_save_and_restore_through_s3(any_bucket):
+    uri, options = any_bucket
     state = _state()
     train_steps(state["model"], state["optim"], 2)
     ckpt = Checkpointer(uri, storage_options=options)
@@ -51,8 +56,8 @@ class CountingStorage:
         return getattr(self.inner, name)
 
 
-def test_restore_finds_the_newest_step_without_listing(bucket):
-    uri, options = bucket
+def test_restore_finds_the_newest_step_without_listing(any_bucket):
+    uri, options = any_bucket
     ckpt = Checkpointer(uri, storage_options=options, keep=2)
     for step in (1, 2, 3):
         ckpt.save(step, _state())
@@ -64,8 +69,8 @@ def test_restore_finds_the_newest_step_without_listing(bucket):
     assert reader.steps() == [2, 3]  # retention deleted step 1, manifest and data
 
 
-def test_two_writers_of_one_step_cannot_both_commit(bucket):
-    uri, options = bucket
+def test_two_writers_of_one_step_cannot_both_commit(any_bucket):
+    uri, options = any_bucket
     first, second = (
         Checkpointer(uri, storage_options=options),
         Checkpointer(uri, storage_options=options),

@@ -6,12 +6,13 @@ from unbroken.errors import CheckpointError
 from unbroken.storage import Storage, open_storage
 
 
-@pytest.fixture(params=["local", "s3", "memory"])
+@pytest.fixture(params=["local", "s3", "memory", pytest.param("rgw", marks=pytest.mark.rgw)])
 def storage(request, tmp_path) -> Storage:
+    """Local disk, S3 on moto's server, fsspec's memory file system, S3 on Ceph RGW."""
     if request.param == "local":
         return open_storage(str(tmp_path / "root"))
-    if request.param == "s3":
-        uri, options = request.getfixturevalue("bucket")
+    if request.param in ("s3", "rgw"):
+        uri, options = request.getfixturevalue("bucket" if request.param == "s3" else "rgw_bucket")
         return open_storage(uri, options)
     return open_storage(f"memory://{tmp_path.name}/root")
 
