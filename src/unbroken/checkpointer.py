@@ -21,6 +21,8 @@ from unbroken import restoring, saving
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.format import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
+from unbroken.memory import DEFAULT_ROOT as DEFAULT_MEMORY_DIR
+from unbroken.memory import MemoryTier
 from unbroken.staging import Stager
 from unbroken.storage import Storage, open_storage
 
@@ -84,6 +86,10 @@ class Checkpointer:
             rank 0 reads them and broadcasts; ``"slice"``: the ranks share the reading
             and broadcast what each read. The last two cut storage traffic by the world
             size, which is what counts on object stores.
+        memory: keep `snapshot`s in this node's shared memory (``memory_dir``), so a
+            process restarted on the same node restores without touching storage.
+        job: names the job in shared memory, so another job's snapshots are never
+            used; default: torchrun's run id, else the checkpoint path.
     """
 
     def __init__(
@@ -99,6 +105,9 @@ class Checkpointer:
         if_busy: Literal["wait", "skip"] = "wait",
         on_error: Literal["raise", "warn"] = "raise",
         replicated_reads: Literal["each", "broadcast", "slice"] = "each",
+        memory: bool = False,
+        memory_dir: str = DEFAULT_MEMORY_DIR,
+        job: str | None = None,
     ) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep={keep}: keep at least 1 checkpoint, or None to keep all")
@@ -123,6 +132,12 @@ class Checkpointer:
         self.storage: Storage = open_storage(self.path, storage_options)
         self._comm = Comm(process_group, timedelta(seconds=timeout))
         self._stager = Stager(staging_buffers)
+        self._memory: MemoryTier | None = None
+        if memory:
+            name = (
+                job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{os.path.abspath(self.path)}"
+            )
+            self._memory = MemoryTier(memory_dir, name, self.rank, self._comm.world_size)
         # One worker persists saves in order: every rank then issues the same collectives
         # in the same order on the checkpointer's own group, never the training loop's.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="unbroken-save")
@@ -280,6 +295,17 @@ class Checkpointer:
         with self._lock:
             pending = [p._future for p in self._pending]
         futures.wait(pending)
+
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
+        """Keep ``state`` as ``step`` in this node's shared memory: no storage IO, and no
+        coordination with other ranks. Restore uses it when every rank holds that step
+        and it is at least as new as the newest checkpoint on storage. The two newest
+        snapshots are kept; writing one never damages the other."""
+        if self._memory is None:
+            raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
+        staged = saving.stage(step, state, arena=None)
+        blocks = zip(staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True)
+        self._memory.write(step, list(blocks), staged.tree)
 
     # -- restore ---------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ state partly overwritten; the error says so, and which step to try instead.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -23,9 +24,13 @@ from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Manifest, TensorEntry, checksum, step_dir
 from unbroken.shards import byte_view, dtensor_offsets, fill
 from unbroken.state import capture, decode, is_stateful, tensor_keys
+from unbroken.storage import Storage
+from unbroken.storage.local import LocalStorage
 
 if TYPE_CHECKING:
     from unbroken.checkpointer import Checkpointer
+
+log = logging.getLogger("unbroken")
 
 
 def restore(
@@ -40,24 +45,43 @@ def restore(
             "every rank must call restore() with the same step"
         )
 
+    # Memory first: a step every rank holds, verified, in its node's shared memory.
+    snapshots = ckpt._memory.snapshots() if ckpt._memory is not None else {}
+    held = [set(steps) for steps in comm.all_gather(sorted(snapshots))]
+    in_memory = set.intersection(*held)
+
     def choose() -> int | None:
         if comm.rank != 0:
             return None
         if step is not None:
-            ckpt.manifest(step)  # raises a clear error if it is not committed
+            if step not in in_memory:
+                ckpt.manifest(step)  # raises a clear error if it is not committed
             return step
-        return ckpt._latest()
+        stored = ckpt._latest()
+        newest = max(in_memory, default=None)
+        if newest is not None and (stored is None or newest >= stored):
+            return newest
+        return stored
 
     chosen: int | None = comm.broadcast(comm.together("finding a checkpoint", choose))
     if chosen is None:
         return None
-    folder = step_dir(chosen)
+    storage: Storage
+    if chosen in in_memory:
+        assert ckpt._memory is not None
+        manifest, storage, folder = snapshots[chosen], LocalStorage(ckpt._memory.dir), "."
+        where = f"shared memory {ckpt._memory.dir} (step {chosen})"
+        log.info("restoring step %d from shared memory", chosen)
+    else:
+        manifest, storage, folder = ckpt.manifest(chosen), ckpt.storage, step_dir(chosen)
+        where = f"{ckpt.path}/{folder}"
     # Fresh optimizers get their state tensors first, so that the checkpoint is read
     # into them in place, sharded like their parameters (FSDP2 needs DTensor state).
     fresh = [o for o in state.values() if isinstance(o, Optimizer) and _init_state(o)]
     try:
-        manifest, tree, reads = comm.together(
-            f"checking step {chosen}", lambda: _check(ckpt, state, chosen, strict)
+        tree, reads = comm.together(
+            f"checking step {chosen}",
+            lambda: _check(comm, state, manifest, storage, folder, where, strict),
         )
     except BaseException:
         for optim in fresh:
@@ -77,7 +101,7 @@ def restore(
                 return key, dest
         elif dest is None:
             dest = region = torch.empty(entry.shape, dtype=entry.torch_dtype)
-        fill(ckpt.storage, folder, key, entry, chunks, region, offsets)
+        fill(storage, folder, key, entry, chunks, region, offsets)
         return key, dest
 
     def read() -> dict[str, torch.Tensor]:
@@ -160,17 +184,21 @@ def _cpu_buffer(dest: torch.Tensor | None, entry: TensorEntry) -> torch.Tensor:
 
 
 def _check(
-    ckpt: Checkpointer, state: Mapping[str, Any], step: int, strict: bool
-) -> tuple[Manifest, dict[str, Any], list[Any]]:
+    comm: Comm,
+    state: Mapping[str, Any],
+    manifest: Manifest,
+    storage: Storage,
+    folder: str,
+    where: str,
+    strict: bool,
+) -> tuple[dict[str, Any], list[Any]]:
     """Check everything a restore will touch, and list the reads it needs."""
-    manifest = ckpt.manifest(step)
-    where = f"{ckpt.path}/{step_dir(step)}"
-    if manifest.world_size != ckpt._comm.world_size:
+    if manifest.world_size != comm.world_size:
         raise CheckpointError(
             f"{where} was saved by {manifest.world_size} ranks and this job has "
-            f"{ckpt._comm.world_size}; restore it with the same number of ranks"
+            f"{comm.world_size}; restore it with the same number of ranks"
         )
-    saved = manifest.objects_for(ckpt._comm.rank)
+    saved = manifest.objects_for(comm.rank)
     current, _ = capture(state)
     names = saved.keys() & state.keys()
     if strict:
@@ -201,13 +229,13 @@ def _check(
                     f"but {list(dest.shape)} in the state; build the model with the "
                     "configuration it was saved with"
                 )
-            rank = ckpt._comm.rank
+            rank = comm.rank
             chunks = [c for c in entry.chunks if c.ranks is None or rank in c.ranks]
             files.update(c.file for c in chunks)
             reads.append((key, dest, region, offsets, chunks))
     for file in sorted(files):
         try:
-            size = ckpt.storage.size(f"{step_dir(step)}/{file}")
+            size = storage.size(f"{folder}/{file}")
         except FileNotFoundError:
             raise CheckpointError(
                 f"{where}/{file} is missing; the checkpoint is damaged. Restore an "
@@ -219,7 +247,7 @@ def _check(
                 f"{manifest.files[file]}: it is truncated or damaged. Restore an "
                 "earlier step (see `unbroken ls`)"
             )
-    return manifest, tree, reads
+    return tree, reads
 
 
 def _init_state(optim: Optimizer) -> bool:

@@ -1,0 +1,182 @@
+"""Tier 0: snapshots in node-local shared memory, and restoring from them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import unbroken
+from conftest import make_model, train_steps
+from ranks import run_ranks
+from unbroken import Checkpointer, CheckpointError
+from unbroken.format import step_dir
+
+
+def _state(seed=0):
+    model = make_model(seed)
+    return {
+        "model": model,
+        "optim": torch.optim.Adam(model.parameters()),
+        "p": unbroken.Progress(step=0),
+    }
+
+
+def _ckpt(tmp_path, job="job-a", **kwargs):
+    return Checkpointer(
+        tmp_path / "ckpt", memory=True, memory_dir=str(tmp_path / "shm"), job=job, **kwargs
+    )
+
+
+def _weights(state):
+    return {k: v.clone() for k, v in state["model"].state_dict().items()}
+
+
+def _slot_of(rank_dir, step):
+    """The JSON file describing the slot that holds ``step``."""
+    for path in sorted(map(str, Path(rank_dir).glob("slot-*.json"))):
+        with open(path) as f:
+            if json.loads(json.load(f)["manifest"])["step"] == step:
+                return path
+    raise AssertionError(f"no slot holds step {step}")
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_crashed_process_restores_from_memory_without_touching_storage(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import json, os, signal, sys, torch, unbroken
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from conftest import make_model, train_steps
+        model = make_model(0)
+        optim = torch.optim.Adam(model.parameters())
+        ckpt = unbroken.Checkpointer({str(tmp_path / "ckpt")!r}, memory=True,
+                                     memory_dir={str(tmp_path / "shm")!r}, job="job-a")
+        train_steps(model, optim, 3)
+        ckpt.snapshot(3, {{"model": model, "optim": optim}})
+        print(json.dumps(model[0].weight.flatten().tolist()), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    expected = torch.tensor(json.loads(run.stdout))
+    state = _state(seed=5)
+    del state["p"]
+    assert _ckpt(tmp_path).restore(state) == 3
+    assert torch.equal(state["model"][0].weight.flatten(), expected)
+    assert len(state["optim"].state) == 4  # optimizer state came back too
+    assert not (tmp_path / "ckpt").exists() or os.listdir(tmp_path / "ckpt") == []
+
+
+def test_two_slots_a_damaged_newest_falls_back_to_the_other(tmp_path):
+    ckpt = _ckpt(tmp_path)
+    state = _state()
+    seen = {}
+    for step in (1, 2, 3):
+        train_steps(state["model"], state["optim"], 1)
+        ckpt.snapshot(step, state)
+        seen[step] = _weights(state)
+    rank_dir = tmp_path / "shm" / "job-a" / "rank-00000"
+    assert sorted(os.listdir(rank_dir)) == [
+        "slot-0.bin",
+        "slot-0.json",
+        "slot-1.bin",
+        "slot-1.json",
+    ]
+    assert sorted(ckpt._memory.snapshots()) == [2, 3]
+    newest = Path(_slot_of(rank_dir, 3))
+    data = newest.with_suffix(".bin")
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF  # a bit flip in step 3's copy
+    data.write_bytes(raw)
+    fresh = _state(seed=9)
+    assert _ckpt(tmp_path).restore(fresh) == 2
+    assert _equal(_weights(fresh), seen[2])
+
+
+def test_a_half_written_slot_is_never_used(tmp_path):
+    ckpt = _ckpt(tmp_path)
+    state = _state()
+    ckpt.snapshot(1, state)
+    train_steps(state["model"], state["optim"], 1)
+    ckpt.snapshot(2, state)
+    rank_dir = tmp_path / "shm" / "job-a" / "rank-00000"
+    # A crash while step 3 is copied: its slot (step 1's) has lost its description.
+    victim = _slot_of(rank_dir, 1)
+    os.unlink(victim)
+    assert sorted(_ckpt(tmp_path)._memory.snapshots()) == [2]
+
+
+def test_another_jobs_or_ranks_memory_is_never_used(tmp_path):
+    _ckpt(tmp_path, job="job-a").snapshot(4, _state())
+    assert _ckpt(tmp_path, job="job-b").restore(_state()) is None  # a different job
+    rank_dir = tmp_path / "shm" / "job-a" / "rank-00000"
+    header = rank_dir / "slot-0.json"
+    raw = json.loads(header.read_text())
+    raw["rank"] = 1  # a region that claims to belong to another rank
+    header.write_text(json.dumps(raw))
+    assert _ckpt(tmp_path, job="job-a").restore(_state()) is None
+
+
+def test_storage_wins_when_newer_memory_wins_when_newer(tmp_path):
+    ckpt = _ckpt(tmp_path)
+    state = _state()
+    ckpt.snapshot(5, state)
+    train_steps(state["model"], state["optim"], 1)
+    ckpt.save(6, state)  # newer on storage: memory's step 5 is stale
+    at_six = _weights(state)
+    fresh = _state(seed=3)
+    assert _ckpt(tmp_path).restore(fresh) == 6 and _equal(_weights(fresh), at_six)
+    train_steps(state["model"], state["optim"], 1)
+    ckpt.snapshot(7, state)
+    fresh = _state(seed=3)
+    assert _ckpt(tmp_path).restore(fresh) == 7 and _equal(_weights(fresh), _weights(state))
+    assert _ckpt(tmp_path).restore(_state(), step=6) == 6  # an older step from storage
+    assert (tmp_path / "ckpt" / step_dir(7)).exists() is False
+
+
+def test_abandoned_jobs_memory_is_cleaned_up(tmp_path):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    old = tmp_path / "shm" / "old-job"
+    (old / "rank-00000").mkdir(parents=True)
+    (old / "owner-00000").write_text(dead.stdout.strip())
+    live = tmp_path / "shm" / "live-job"
+    (live / "rank-00000").mkdir(parents=True)
+    (live / "owner-00000").write_text(str(os.getpid()))
+    _ckpt(tmp_path, job="job-a")
+    assert sorted(os.listdir(tmp_path / "shm")) == ["job-a", "live-job"]
+
+
+def test_snapshot_needs_memory_on():
+    with pytest.raises(CheckpointError, match="memory=True"):
+        Checkpointer("/tmp/unused-unbroken").snapshot(1, {})
+
+
+def _ranks_job(rank: int, world: int, path: str, shm: str) -> tuple[int | None, list[float]]:
+    ckpt = unbroken.Checkpointer(path, memory=True, memory_dir=shm, job="dist")
+    state = {"w": torch.full((4,), float(rank))}
+    ckpt.snapshot(1, state)
+    state["w"] += 1
+    ckpt.snapshot(2, state)
+    if rank == 1:  # rank 1 lost step 2 (its slot was being rewritten when it died)
+        assert ckpt._memory is not None
+        os.unlink(_slot_of(ckpt._memory.dir, 2))
+    state["w"].zero_()
+    step = ckpt.restore(state)
+    return step, state["w"].tolist()
+
+
+def test_ranks_restore_the_newest_step_every_rank_holds(tmp_path):
+    results = run_ranks(_ranks_job, str(tmp_path / "ckpt"), str(tmp_path / "shm"))
+    assert results == [(1, [0.0] * 4), (1, [1.0] * 4)]
