@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from conftest import make_model, train_steps
 from ranks import run_ranks
 from unbroken import Checkpointer, CheckpointError
 from unbroken.format import step_dir
+from unbroken.memory import partners
 
 
 def _state(seed=0):
@@ -180,3 +182,95 @@ def _ranks_job(rank: int, world: int, path: str, shm: str) -> tuple[int | None, 
 def test_ranks_restore_the_newest_step_every_rank_holds(tmp_path):
     results = run_ranks(_ranks_job, str(tmp_path / "ckpt"), str(tmp_path / "shm"))
     assert results == [(1, [0.0] * 4), (1, [1.0] * 4)]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "copies", "expected"),
+    [
+        (["a", "a", "b", "b"], 1, [[2], [3], [0], [1]]),  # the same local index, next node
+        (["a", "b", "c"], 2, [[1, 2], [2, 0], [0, 1]]),  # two replicas, two other nodes
+        (["a", "a", "a", "b"], 1, [[3], [3], [3], [0]]),  # uneven nodes
+        (["a", "a"], 1, [[1], [0]]),  # one node: another rank of it
+        (["a"], 1, [[]]),  # alone: nobody to keep a replica
+        (["a", "b"], 3, [[1], [0]]),  # no more copies than other nodes
+    ],
+)
+def test_replica_partners(nodes, copies, expected):
+    assert [partners(nodes, r, copies) for r in range(len(nodes))] == expected
+    for rank, chosen in enumerate(expected):
+        if len(set(nodes)) > 1:
+            assert all(nodes[p] != nodes[rank] for p in chosen)  # never on its own node
+
+
+def _replicated(root: str, shm: str) -> Checkpointer:
+    path = os.path.join(root, "ckpt")
+    return Checkpointer(path, memory=True, replicas=1, memory_dir=shm, job="j")
+
+
+def _node_loss_job(rank: int, world: int, root: str) -> dict:
+    import shutil
+
+    node = rank // 2  # 4 ranks as 2 simulated nodes, each with its own shared memory
+    os.environ["UNBROKEN_NODE"] = str(node)
+    shm = os.path.join(root, f"node-{node}")
+
+    def make() -> Checkpointer:
+        return Checkpointer(
+            os.path.join(root, "ckpt"), memory=True, replicas=1, memory_dir=shm, job="j"
+        )
+
+    ckpt = make()
+    state: dict[str, Any] = {"w": torch.full((1000,), float(rank)), "p": unbroken.Progress(step=0)}
+    for step in (1, 2, 3):
+        state["w"] += 1
+        state["p"].step = step
+        ckpt.snapshot(step, state)
+    ckpt.wait()  # replicas are in place
+    expected = state["w"].clone()
+    if node == 1:  # node 1 dies: its processes and all its shared memory
+        shutil.rmtree(shm, ignore_errors=True)
+        del ckpt
+        state = {"w": torch.zeros(1000), "p": unbroken.Progress(step=0)}
+    replacement = make()
+    restored = replacement.restore(state)
+    return {
+        "restored": restored,
+        "equal": torch.equal(state["w"], expected),
+        "progress": state["p"].step,
+        "partner": replacement._replica_partners,
+        "storage": os.path.exists(os.path.join(root, "ckpt")),
+    }
+
+
+def test_a_lost_node_comes_back_from_peer_replicas(tmp_path):
+    results = run_ranks(_node_loss_job, str(tmp_path), world=4, timeout=120)
+    assert [r["restored"] for r in results] == [3, 3, 3, 3]
+    assert all(r["equal"] and r["progress"] == 3 for r in results)
+    assert [r["partner"] for r in results] == [[2], [3], [0], [1]]
+    assert not any(r["storage"] for r in results)  # nothing came from storage
+
+
+def _incomplete_job(rank: int, world: int, root: str) -> int | None:
+    node = rank  # 2 ranks, 2 nodes
+    os.environ["UNBROKEN_NODE"] = str(node)
+    shm = os.path.join(root, f"node-{node}")
+    ckpt = Checkpointer(
+        os.path.join(root, "ckpt"), memory=True, replicas=1, memory_dir=shm, job="j"
+    )
+    state = {"w": torch.ones(10)}
+    ckpt.snapshot(1, state)
+    ckpt.snapshot(2, state)
+    ckpt.wait()
+    if rank == 1:  # node 1 lost, and node 0's replica of it at step 2 is damaged
+        import shutil
+
+        shutil.rmtree(shm)
+        replica = os.path.join(root, "node-0", "j", "replicas", "rank-00001")
+        os.unlink(_slot_of(replica, 2))
+    return Checkpointer(
+        os.path.join(root, "ckpt"), memory=True, replicas=1, memory_dir=shm, job="j"
+    ).restore(state)
+
+
+def test_a_step_not_complete_on_every_rank_is_never_used(tmp_path):
+    assert run_ranks(_incomplete_job, str(tmp_path), timeout=120) == [1, 1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import warnings
 import weakref
@@ -17,12 +18,12 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from unbroken import restoring, saving
+from unbroken import replicas, restoring, saving
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.format import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
 from unbroken.memory import DEFAULT_ROOT as DEFAULT_MEMORY_DIR
-from unbroken.memory import MemoryTier
+from unbroken.memory import MemoryTier, partners
 from unbroken.staging import Stager
 from unbroken.storage import Storage, open_storage
 
@@ -86,8 +87,12 @@ class Checkpointer:
             rank 0 reads them and broadcasts; ``"slice"``: the ranks share the reading
             and broadcast what each read. The last two cut storage traffic by the world
             size, which is what counts on object stores.
-        memory: keep `snapshot`s in this node's shared memory (``memory_dir``), so a
-            process restarted on the same node restores without touching storage.
+        memory: keep `snapshot`s in this node's shared memory (``memory_dir``, default
+            ``$UNBROKEN_MEMORY_DIR`` or /dev/shm/unbroken), so a process restarted on the
+            same node restores without touching storage.
+        replicas: with ``memory``, also keep each snapshot in the shared memory of this
+            many peers on other nodes (sent in the background over the checkpointer's
+            gloo group), so the ranks of a lost node restore from their peers.
         job: names the job in shared memory, so another job's snapshots are never
             used; default: torchrun's run id, else the checkpoint path.
     """
@@ -106,7 +111,8 @@ class Checkpointer:
         on_error: Literal["raise", "warn"] = "raise",
         replicated_reads: Literal["each", "broadcast", "slice"] = "each",
         memory: bool = False,
-        memory_dir: str = DEFAULT_MEMORY_DIR,
+        replicas: int = 0,
+        memory_dir: str | None = None,
         job: str | None = None,
     ) -> None:
         if keep is not None and keep < 1:
@@ -119,6 +125,8 @@ class Checkpointer:
             raise ValueError(f"if_busy={if_busy!r}: choose 'wait' or 'skip'")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: choose 'raise' or 'warn'")
+        if replicas < 0 or (replicas and not memory):
+            raise ValueError(f"replicas={replicas}: replicas need memory=True, and are >= 0")
         if replicated_reads not in ("each", "broadcast", "slice"):
             raise ValueError(
                 f"replicated_reads={replicated_reads!r}: choose 'each', 'broadcast' or 'slice'"
@@ -133,11 +141,20 @@ class Checkpointer:
         self._comm = Comm(process_group, timedelta(seconds=timeout))
         self._stager = Stager(staging_buffers)
         self._memory: MemoryTier | None = None
+        self._replica_partners: list[int] = []  # ranks that keep replicas of this rank
+        self._replica_sources: list[int] = []  # ranks this rank keeps replicas of
+        self._replicating: Future[Any] | None = None
         if memory:
-            name = (
-                job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{os.path.abspath(self.path)}"
-            )
-            self._memory = MemoryTier(memory_dir, name, self.rank, self._comm.world_size)
+            name = job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{self.path}"
+            root = memory_dir or os.environ.get("UNBROKEN_MEMORY_DIR") or DEFAULT_MEMORY_DIR
+            self._memory = MemoryTier(root, name, self.rank, self._comm.world_size)
+        if replicas:
+            # A node is what torchrun calls one (its node rank), or a simulated one.
+            node = os.environ.get("UNBROKEN_NODE") or os.environ.get("GROUP_RANK")
+            nodes = self._comm.all_gather(f"{socket.gethostname()}/{node}")
+            world = range(self._comm.world_size)
+            self._replica_partners = partners(nodes, self.rank, replicas)
+            self._replica_sources = [r for r in world if self.rank in partners(nodes, r, replicas)]
         # One worker persists saves in order: every rank then issues the same collectives
         # in the same order on the checkpointer's own group, never the training loop's.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="unbroken-save")
@@ -294,18 +311,43 @@ class Checkpointer:
         """Wait for the worker to finish what it was given (failures stay recorded)."""
         with self._lock:
             pending = [p._future for p in self._pending]
+        if self._replicating is not None:
+            pending.append(self._replicating)
         futures.wait(pending)
 
     def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
         """Keep ``state`` as ``step`` in this node's shared memory: no storage IO, and no
         coordination with other ranks. Restore uses it when every rank holds that step
         and it is at least as new as the newest checkpoint on storage. The two newest
-        snapshots are kept; writing one never damages the other."""
+        snapshots are kept; writing one never damages the other. With ``replicas``,
+        the snapshot then goes to the peers in the background (collective: every rank
+        snapshots the same steps); the next snapshot waits until that is done."""
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
+        self._surface_failure()
+        if self._replicating is not None:
+            # The slot about to be overwritten may be the one still being sent.
+            futures.wait([self._replicating])
+            self._surface_failure()
         staged = saving.stage(step, state, arena=None)
         blocks = zip(staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True)
         self._memory.write(step, list(blocks), staged.tree)
+        if self._replica_partners or self._replica_sources:
+            memory = self._memory
+            self._replicating = self._worker.submit(self._replicate, memory, step)
+
+    def _replicate(self, memory: MemoryTier, step: int) -> None:
+        """Runs on the worker, like `_persist`; a failure is logged and kept for the next
+        `snapshot`, `save` or `wait`."""
+        try:
+            replicas.replicate(
+                self._comm, memory, step, self._replica_partners, self._replica_sources
+            )
+        except BaseException as e:
+            log.error("replicating the snapshot of step %d failed: %s", step, e)
+            with self._lock:
+                self._failure = (step, e)
+            raise
 
     # -- restore ---------------------------------------------------------------------
 

@@ -1,15 +1,19 @@
-"""Tier 0: each rank's newest snapshots in node-local shared memory.
+"""Tiers 0 and 1: snapshots in node-local shared memory, and replicas of them on peers.
 
 A process that crashes and is restarted on the same node finds its state here and
-restores without touching storage. Each rank owns a directory with two slots, written
-alternately, so a crash in the middle of a copy never destroys the last good version:
+restores without touching storage; a rank whose whole node was lost gets its state back
+from the replica a peer on another node holds. Every copy lives in a pair of slots,
+written alternately, so a crash in the middle of a copy never destroys the last good one:
 
-    /dev/shm/unbroken/<job>/rank-00003/slot-0.bin   tensor bytes, back to back
-    /dev/shm/unbroken/<job>/rank-00003/slot-0.json  what they are: written last
+    <root>/<job>/rank-00003/slot-0.bin            rank 3's own snapshot: tensor bytes
+    <root>/<job>/rank-00003/slot-0.json           what they are, written last
+    <root>/<job>/replicas/rank-00001/slot-1.bin   a replica of rank 1's snapshot
 
-A slot counts only if its JSON exists, names this job, rank and world size, and every
-block matches its checksum. Before a slot is overwritten its JSON is removed, so a
-half-written slot is never mistaken for a whole one.
+A slot counts only if its JSON exists, names this job, the owning rank and the world size,
+and every block matches its checksum. The JSON holds an ordinary manifest (one rank, one
+file), so restoring from memory is restoring a checkpoint whose storage is the slot's
+directory. Before a slot is overwritten its JSON is removed, so a half-written slot is
+never mistaken for a whole one.
 """
 
 from __future__ import annotations
@@ -35,23 +39,118 @@ DEFAULT_ROOT = "/dev/shm/unbroken"
 _ALIGN = 64
 
 
-class MemoryTier:
-    """The shared-memory snapshots of one rank of one job.
+class Slots:
+    """Two alternating slots in one directory, holding snapshots of rank ``owner``."""
 
-    A slot is described by an ordinary manifest (one rank, one file), so restoring from
-    memory is restoring a checkpoint whose storage is this directory."""
-
-    def __init__(self, root: str, job: str, rank: int, world_size: int) -> None:
-        self.job, self.rank, self.world_size = job, rank, world_size
-        self.dir = os.path.join(root, _safe(job), f"rank-{rank:05d}")
-        os.makedirs(self.dir, exist_ok=True)
+    def __init__(self, directory: str, job: str, owner: int, world_size: int) -> None:
+        self.dir, self.job, self.owner, self.world_size = directory, job, owner, world_size
+        os.makedirs(directory, exist_ok=True)
         self._buffers: dict[int, torch.Tensor] = {}
-        _clean_abandoned(root, job)
-        with open(os.path.join(root, _safe(job), f"owner-{rank:05d}"), "w") as f:
-            f.write(str(os.getpid()))
+        self._published: dict[int, tuple[int, str]] = {}  # slot -> (step, manifest JSON)
+        held = self.verified()
+        self.newest: int | None = held[max(held)][0] if held else None
 
     def _path(self, slot: int, ext: str) -> str:
         return os.path.join(self.dir, f"slot-{slot}.{ext}")
+
+    def begin(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """The slot to overwrite next, invalidated, with a mapped buffer of ``nbytes``."""
+        slot = 1 if self.newest == 0 else 0
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(slot, "json"))  # from now on this slot is not whole
+        current = self._buffers.get(slot)
+        if current is None or current.numel() != max(nbytes, 1):
+            path = self._path(slot, "bin")
+            with open(path, "ab") as f:
+                f.truncate(max(nbytes, 1))
+            current = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+            self._buffers[slot] = current
+        return slot, current
+
+    def publish(self, slot: int, manifest_json: str) -> None:
+        """Describe ``slot``: from now on it counts. A manifest received from another
+        slot pair is rewritten to name this slot's file."""
+        manifest = Manifest.from_json(manifest_json.encode(), self.dir)
+        file = os.path.basename(self._path(slot, "bin"))
+        if set(manifest.files) != {file}:
+            manifest_json = _renamed(manifest, file)
+        self._published[slot] = (manifest.step, manifest_json)
+        tmp = self._path(slot, "json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"job": self.job, "rank": self.owner, "manifest": manifest_json}, f)
+        os.replace(tmp, self._path(slot, "json"))
+        self.newest = slot
+
+    def raw(self, step: int) -> tuple[str, torch.Tensor]:
+        """The manifest JSON and the bytes of the slot holding ``step``, to send."""
+        for slot in (0, 1):
+            published = self._published.get(slot)
+            if published is None:
+                manifest = self._load(slot)
+                if manifest is None:
+                    continue
+                with open(self._path(slot, "json")) as f:
+                    published = (manifest.step, json.load(f)["manifest"])
+            if published[0] == step:
+                buffer = self._buffers.get(slot)
+                return published[1], buffer if buffer is not None else self._map(slot)
+        raise CheckpointError(f"{self.dir} holds no snapshot of step {step}")
+
+    def _map(self, slot: int) -> torch.Tensor:
+        path = self._path(slot, "bin")
+        size = max(os.path.getsize(path), 1)
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+    def verified(self) -> dict[int, tuple[int, Manifest]]:
+        """``{step: (slot, manifest)}`` for every whole, verified slot."""
+        found = {}
+        for slot in (0, 1):
+            manifest = self._load(slot)
+            if manifest is not None:
+                found[manifest.step] = (slot, manifest)
+        return found
+
+    def _load(self, slot: int) -> Manifest | None:
+        where = self._path(slot, "json")
+        try:
+            with open(where) as f:
+                header = json.load(f)
+            manifest = Manifest.from_json(header["manifest"].encode(), where)
+        except (FileNotFoundError, ValueError, KeyError, TypeError, CheckpointError):
+            return None
+        owner = (header.get("job"), header.get("rank"), manifest.world_size)
+        if owner != (self.job, self.owner, self.world_size):
+            log.warning("ignoring %s: it belongs to (job, rank, world) %s", where, owner)
+            return None
+        data = self._path(slot, "bin")
+        try:
+            size = os.path.getsize(data)
+        except FileNotFoundError:
+            return None
+        if size != manifest.files.get(os.path.basename(data)):
+            return None
+        buffer = self._map(slot)
+        for key, entry in manifest.tensors.items():
+            chunk = entry.chunks[0]
+            if checksum(byte_view(buffer[chunk.start : chunk.end])) != chunk.xxh3:
+                log.warning("ignoring %s: tensor %r fails its checksum", data, key)
+                return None
+        return manifest
+
+
+class MemoryTier:
+    """The shared-memory snapshots of one rank of one job, and the replicas it keeps for
+    its peers."""
+
+    def __init__(self, root: str, job: str, rank: int, world_size: int) -> None:
+        self.job, self.rank, self.world_size = job, rank, world_size
+        self.root = os.path.join(root, _safe(job))
+        _clean_abandoned(root, job)
+        self.own = Slots(os.path.join(self.root, f"rank-{rank:05d}"), job, rank, world_size)
+        self.dir = self.own.dir
+        self._replicas: dict[int, Slots] = {}
+        with open(os.path.join(self.root, f"owner-{rank:05d}"), "w") as f:
+            f.write(str(os.getpid()))
 
     def write(
         self,
@@ -60,17 +159,13 @@ class MemoryTier:
         tree: dict[str, Any],
     ) -> None:
         """Copy ``(key, local block, offsets, global shape)`` blocks and the JSON ``tree``
-        into the slot that does not hold the newest snapshot."""
-        held = {m.step: slot for slot, m in self._verified()}
-        slot = 1 if held.get(max(held, default=-1)) == 0 else 0
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(slot, "json"))  # from now on this slot is not whole
+        into the own slot that does not hold the newest snapshot."""
         starts, total = [], 0
         for _, t, _, _ in blocks:
             starts.append(total)
             total += -(-t.nbytes // _ALIGN) * _ALIGN
-        buffer = self._buffer(slot, total)
-        file = os.path.basename(self._path(slot, "bin"))
+        slot, buffer = self.own.begin(total)
+        file = f"slot-{slot}.bin"
         tensors = {}
         for (key, t, offsets, shape), start in zip(blocks, starts, strict=True):
             view = buffer[start : start + t.nbytes].view(t.dtype).view(t.shape)
@@ -93,61 +188,52 @@ class MemoryTier:
             rank_objects=[0] * self.world_size,
             files={file: buffer.numel()},
         )
-        header = {"job": self.job, "rank": self.rank, "manifest": manifest.to_json().decode()}
-        tmp = self._path(slot, "json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(header, f)
-        os.replace(tmp, self._path(slot, "json"))
+        self.own.publish(slot, manifest.to_json().decode())
 
-    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
-        """The slot's shared-memory file, mapped; grown if the state grew."""
-        current = self._buffers.get(slot)
-        if current is None or current.numel() < nbytes:
-            path = self._path(slot, "bin")
-            with open(path, "ab") as f:
-                f.truncate(max(nbytes, 1))
-            current = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
-            self._buffers[slot] = current
-        return current
-
-    def _verified(self) -> list[tuple[int, Manifest]]:
-        return [(slot, m) for slot in (0, 1) if (m := self._load(slot)) is not None]
-
-    def _load(self, slot: int) -> Manifest | None:
-        where = self._path(slot, "json")
-        try:
-            with open(where) as f:
-                header = json.load(f)
-            manifest = Manifest.from_json(header["manifest"].encode(), where)
-        except (FileNotFoundError, ValueError, KeyError, TypeError, CheckpointError):
-            return None
-        owner = (header.get("job"), header.get("rank"), manifest.world_size)
-        if owner != (self.job, self.rank, self.world_size):
-            log.warning("ignoring %s: it belongs to (job, rank, world) %s", where, owner)
-            return None
-        data = self._path(slot, "bin")
-        try:
-            size = os.path.getsize(data)
-        except FileNotFoundError:
-            return None
-        if size != manifest.files.get(os.path.basename(data)):
-            return None
-        buffer = torch.from_file(data, shared=False, size=size, dtype=torch.uint8)
-        for key, entry in manifest.tensors.items():
-            chunk = entry.chunks[0]
-            if checksum(byte_view(buffer[chunk.start : chunk.end])) != chunk.xxh3:
-                log.warning("ignoring %s: tensor %r fails its checksum", data, key)
-                return None
-        return manifest
+    def replica(self, owner: int) -> Slots:
+        """The slots holding this rank's replica of rank ``owner``'s snapshots."""
+        if owner not in self._replicas:
+            directory = os.path.join(self.root, "replicas", f"rank-{owner:05d}")
+            self._replicas[owner] = Slots(directory, self.job, owner, self.world_size)
+        return self._replicas[owner]
 
     def snapshots(self) -> dict[int, Manifest]:
-        """Every whole, verified snapshot this rank holds, by step."""
-        return {m.step: m for _, m in self._verified()}
+        """Every whole, verified snapshot this rank holds of itself, by step."""
+        return {step: m for step, (_, m) in self.own.verified().items()}
 
     def remove(self) -> None:
-        """Forget this rank's snapshots (the job finished)."""
-        self._buffers.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        """Forget everything this rank holds (the job finished)."""
+        shutil.rmtree(self.own.dir, ignore_errors=True)
+        for slots in self._replicas.values():
+            shutil.rmtree(slots.dir, ignore_errors=True)
+
+
+def partners(nodes: Sequence[str], rank: int, copies: int) -> list[int]:
+    """The ranks that keep replicas of ``rank``'s snapshots: the rank with the same local
+    index on each of the next ``copies`` nodes. Replicas land on another node whenever
+    there is more than one; on a single node they go to other ranks of it. Pure:
+    ``nodes[r]`` names rank r's node."""
+    order = list(dict.fromkeys(nodes))
+    ranks_on = {node: [r for r, n in enumerate(nodes) if n == node] for node in order}
+    mine = nodes[rank]
+    index = ranks_on[mine].index(rank)
+    if len(order) == 1:
+        others = [r for r in range(len(nodes)) if r != rank]
+        return [(rank + j) % len(nodes) for j in range(1, 1 + min(copies, len(others)))]
+    chosen = []
+    for j in range(1, 1 + min(copies, len(order) - 1)):
+        peers = ranks_on[order[(order.index(mine) + j) % len(order)]]
+        chosen.append(peers[index % len(peers)])
+    return chosen
+
+
+def _renamed(manifest: Manifest, file: str) -> str:
+    for entry in manifest.tensors.values():
+        for chunk in entry.chunks:
+            chunk.file = file
+    size = sum(manifest.files.values())
+    manifest.files = {file: size}
+    return manifest.to_json().decode()
 
 
 def _safe(job: str) -> str:
@@ -161,9 +247,9 @@ def _clean_abandoned(root: str, job: str) -> None:
     except FileNotFoundError:
         return
     for name in names:
-        if name == _safe(job):
-            continue
         folder = os.path.join(root, name)
+        if name == _safe(job) or not os.path.isdir(folder):
+            continue
         pids = []
         for owner in (f for f in os.listdir(folder) if f.startswith("owner-")):
             try:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from unbroken import replicas
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Manifest, TensorEntry, checksum, step_dir
@@ -45,10 +46,26 @@ def restore(
             "every rank must call restore() with the same step"
         )
 
-    # Memory first: a step every rank holds, verified, in its node's shared memory.
-    snapshots = ckpt._memory.snapshots() if ckpt._memory is not None else {}
-    held = [set(steps) for steps in comm.all_gather(sorted(snapshots))]
-    in_memory = set.intersection(*held)
+    # Memory first: the newest step that every rank has in its own shared memory or,
+    # for a rank whose node was lost, in a peer's replica.
+    memory = ckpt._memory
+    own = memory.snapshots() if memory is not None else {}
+    kept = {}
+    if memory is not None:
+        kept = {str(o): sorted(memory.replica(o).verified()) for o in ckpt._replica_sources}
+    table = comm.all_gather([sorted(own), kept])
+    holders_at: dict[int, dict[int, list[int]]] = {}  # step -> lost rank -> replica holders
+    in_memory = set()
+    for candidate in {s for steps, _ in table for s in steps} | {
+        s for _, k in table for steps in k.values() for s in steps
+    }:
+        lost = {r for r, (steps, _) in enumerate(table) if candidate not in steps}
+        holders = {
+            r: [q for q, (_, k) in enumerate(table) if candidate in k.get(str(r), [])] for r in lost
+        }
+        if all(holders.values()):
+            in_memory.add(candidate)
+            holders_at[candidate] = holders
 
     def choose() -> int | None:
         if comm.rank != 0:
@@ -68,9 +85,16 @@ def restore(
         return None
     storage: Storage
     if chosen in in_memory:
-        assert ckpt._memory is not None
-        manifest, storage, folder = snapshots[chosen], LocalStorage(ckpt._memory.dir), "."
-        where = f"shared memory {ckpt._memory.dir} (step {chosen})"
+        assert memory is not None
+        if holders_at[chosen]:
+            replicas.recover(comm, memory, chosen, holders_at[chosen])
+            log.info(
+                "step %d recovered from peer replicas for ranks %s",
+                chosen,
+                sorted(holders_at[chosen]),
+            )
+        manifest, storage, folder = memory.snapshots()[chosen], LocalStorage(memory.dir), "."
+        where = f"shared memory {memory.dir} (step {chosen})"
         log.info("restoring step %d from shared memory", chosen)
     else:
         manifest, storage, folder = ckpt.manifest(chosen), ckpt.storage, step_dir(chosen)
