@@ -41,21 +41,22 @@ class LocalStorage:
         _fsync_dir(os.path.dirname(full))
 
     def commit(self, path: str, data: bytes) -> None:
+        # link() fails if the target exists, so a commit never replaces another one.
+        self._publish(path, data, os.link)
+
+    def replace(self, path: str, data: bytes) -> None:
+        self._publish(path, data, os.replace)
+
+    def _publish(self, path: str, data: bytes, move: Callable[[str, str], None]) -> None:
+        """Write ``data`` durably under a temporary name, then ``move`` it into place."""
         full = self._full(path)
         tmp = f"{full}.{uuid.uuid4().hex}.tmp"
         self.write(os.path.relpath(tmp, self.root), [data])
         try:
-            # link() fails if the target exists, so a commit never replaces another one.
-            os.link(tmp, full)
+            move(tmp, full)
         finally:
-            os.unlink(tmp)
-        _fsync_dir(os.path.dirname(full))
-
-    def replace(self, path: str, data: bytes) -> None:
-        full = self._full(path)
-        tmp = f"{full}.{uuid.uuid4().hex}.tmp"
-        self.write(os.path.relpath(tmp, self.root), [data])
-        os.replace(tmp, full)
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
         _fsync_dir(os.path.dirname(full))
 
     def read(self, path: str) -> bytes:
