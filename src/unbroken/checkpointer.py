@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from unbroken import replicas, restoring, saving
+from unbroken import faults, replicas, restoring, saving
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.format import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
@@ -239,6 +239,7 @@ class Checkpointer:
             raise CheckpointError(f"{self!r} is closed")
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
+        faults.tick(step)
         self._surface_failure()
         arena = None
         if not blocking:
@@ -324,6 +325,7 @@ class Checkpointer:
         snapshots the same steps); the next snapshot waits until that is done."""
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
+        faults.tick(step)
         self._surface_failure()
         if self._replicating is not None:
             # The slot about to be overwritten may be the one still being sent.

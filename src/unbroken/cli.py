@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from unbroken.demo.run import main as demo
 
         return demo(args[1:])
+    if args[:1] == ["run"]:  # before argparse: torchrun's options pass through untouched
+        from unbroken.launcher import main as run
+
+        return run(args[1:])
     parser = _parser()
     opts = parser.parse_args(args)
     try:
@@ -73,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     exp.set_defaults(func=_export)
     sub.add_parser("demo", help="train, kill and resume a small GPT under torchrun")
+    sub.add_parser("run", help="torchrun with restarts, hang detection and fault injection")
     return parser
 
 

@@ -1,0 +1,281 @@
+"""The worker side of `unbroken run`: heartbeats, injected faults, and a process group
+that survives restarts.
+
+A training loop calls `tick(step)` once per step (the Checkpointer calls it too). Under
+`unbroken run` this does two things:
+
+* it writes a heartbeat for this rank into ``$UNBROKEN_HEARTBEAT_DIR/rank-<RANK>``,
+  at most every `HEARTBEAT_INTERVAL_S`, which the launcher's watchdog reads to find hung
+  workers long before the collective timeout would;
+* it applies the faults in ``$UNBROKEN_INJECT_FAULT`` (``;``-separated), on the first
+  attempt only, each at most once per launch::
+
+      kill rank=1 step=40        rank 1 SIGKILLs itself once it reaches step 40
+      hang rank=0 step=60        rank 0 stops making progress forever
+      kill-node node=1 step=80   simulated node 1 dies: all its ranks and its memory
+
+Outside `unbroken run` (no such variables) `tick` costs a dictionary lookup.
+
+The heartbeat directory also collects a few events per process (start, process group
+ready, first step, fault), one JSON line each, from which the launcher builds its
+recovery timeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+HEARTBEAT_DIR_ENV = "UNBROKEN_HEARTBEAT_DIR"
+FAULT_ENV = "UNBROKEN_INJECT_FAULT"
+NODE_ENV = "UNBROKEN_NODE"
+HEARTBEAT_INTERVAL_S = 0.2
+HEARTBEAT_BYTES = 80  # fixed width: rewritten in place, never truncated
+KINDS = {"kill": "rank", "hang": "rank", "kill-node": "node"}
+EXAMPLES = "'kill rank=1 step=40', 'hang rank=0 step=60' or 'kill-node node=1 step=80'"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault to inject: ``kind`` at ``step`` on ``target`` (a rank, or a node for
+    kill-node). ``index`` is its position in the launch's list: it fires once per launch."""
+
+    kind: str
+    target: int
+    step: int
+    index: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind} {KINDS[self.kind]}={self.target} step={self.step}"
+
+
+def parse(spec: str) -> list[Fault]:
+    """Parse ``;``-separated faults; a ValueError names the text that is wrong."""
+    faults: list[Fault] = []
+    for text in (part.strip() for part in spec.split(";")):
+        if text:
+            faults.append(_parse_one(text, len(faults)))
+    return faults
+
+
+def _parse_one(text: str, index: int) -> Fault:
+    def bad(why: str) -> ValueError:
+        return ValueError(f"bad fault {text!r}: {why}; write e.g. {EXAMPLES}")
+
+    kind, *pairs = text.split()  # text is not blank: parse() skips those
+    if kind not in KINDS:
+        raise bad(f"unknown kind {kind!r} (known: {', '.join(KINDS)})")
+    values: dict[str, int] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not re.fullmatch(r"\d+", value):
+            raise bad(f"{pair!r} is not key=N with N a non-negative integer")
+        if key not in (KINDS[kind], "step"):
+            raise bad(f"{kind} takes {KINDS[kind]}= and step=, not {key}=")
+        if key in values:
+            raise bad(f"{key}= given twice")
+        values[key] = int(value)
+    missing = [k for k in (KINDS[kind], "step") if k not in values]
+    if missing:
+        raise bad(f"missing {' and '.join(k + '=' for k in missing)}")
+    return Fault(kind, values[KINDS[kind]], values["step"], index)
+
+
+# -- the worker -------------------------------------------------------------------------
+
+
+class _Worker:
+    """This process's view of the launch, read from the environment once."""
+
+    def __init__(self) -> None:
+        env = os.environ
+        self.rank = int(env.get("RANK", "0"))
+        self.attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.node = int(env[NODE_ENV]) if env.get(NODE_ENV, "").isdigit() else None
+        self.dir = env.get(HEARTBEAT_DIR_ENV) or None
+        faults = parse(env.get(FAULT_ENV, ""))
+        # Faults fire on the first attempt only: the restarted workers must get through.
+        self.faults = [f for f in faults if self._mine(f)] if self.attempt == 0 else []
+        if self.dir is None and any(f.kind == "kill-node" for f in self.faults):
+            raise RuntimeError(
+                f"{FAULT_ENV} asks for kill-node, which only `unbroken run --simulate-nodes` "
+                f"can carry out ({HEARTBEAT_DIR_ENV} is not set)"
+            )
+        self.fd: int | None = None
+        self.last_beat = float("-inf")
+        self.first_step_seen = False
+        self.started = False
+
+    def _mine(self, fault: Fault) -> bool:
+        if fault.kind == "kill-node":
+            return fault.target == self.node
+        return fault.target == self.rank
+
+    # events: rare, one JSON line each, appended whole by one write
+
+    def event(self, name: str, **fields: Any) -> None:
+        if self.dir is None:
+            return
+        if not self.started:
+            self.started = True
+            self._write("process_start", process_start=_process_start_time())
+        self._write(name, **fields)
+
+    def _write(self, name: str, **fields: Any) -> None:
+        assert self.dir is not None
+        record = {"event": name, "t": time.time(), "rank": self.rank, "attempt": self.attempt}
+        record.update(node=self.node, pid=os.getpid(), **fields)
+        path = os.path.join(self.dir, f"events-{self.rank}-{os.getpid()}.jsonl")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
+
+    # heartbeat: one pwrite of a fixed-width line into a file kept open
+
+    def beat(self, step: int, now: float) -> None:
+        assert self.dir is not None
+        if self.fd is None:
+            path = os.path.join(self.dir, f"rank-{self.rank}")
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        line = f"{step} {time.time():.6f} {os.getpid()} {self.attempt}"
+        os.pwrite(self.fd, line.ljust(HEARTBEAT_BYTES - 1).encode() + b"\n", 0)
+        self.last_beat = now
+
+    def tick(self, step: int) -> None:
+        if self.dir is not None:
+            now = time.monotonic()
+            if not self.first_step_seen:
+                self.first_step_seen = True
+                self.event("first_step", step=step)
+                self.beat(step, now)
+            elif now - self.last_beat >= HEARTBEAT_INTERVAL_S:
+                self.beat(step, now)
+        for fault in list(self.faults):
+            if step >= fault.step:
+                self.fire(fault, step)
+
+    def fire(self, fault: Fault, step: int) -> None:
+        if not self._claim(fault):
+            self.faults.remove(fault)  # fired already in this launch (a replacement node)
+            return
+        self.event("fault", kind=fault.kind, spec=str(fault), step=step)
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "kill-node":
+            # The launcher owns the node: it kills this node's agent and workers and
+            # deletes the node's shared memory. Until then, this rank stops where it is.
+            assert self.dir is not None
+            tmp = os.path.join(self.dir, f".request-{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(json.dumps({"node": fault.target, "step": step, "t": time.time()}))
+            os.replace(tmp, os.path.join(self.dir, f"request-kill-node-{fault.target}"))
+        while True:  # hang (or wait to be killed): no more steps, no more heartbeats
+            time.sleep(3600)
+
+    def _claim(self, fault: Fault) -> bool:
+        """True once per launch for each fault, across attempts and replacement nodes."""
+        if self.dir is None:
+            return True
+        try:
+            os.close(
+                os.open(os.path.join(self.dir, f"fired-{fault.index}"), os.O_CREAT | os.O_EXCL)
+            )
+        except FileExistsError:
+            return False
+        return True
+
+
+_worker: _Worker | None = None
+
+
+def _get() -> _Worker:
+    global _worker
+    if _worker is None:
+        _worker = _Worker()
+    return _worker
+
+
+def tick(step: int) -> None:
+    """Report that training reached ``step``: heartbeat, and injected faults.
+
+    Call it once per step; calling it more often (the Checkpointer does) is harmless.
+    It costs about a microsecond: a clock read, and a small write at most every
+    `HEARTBEAT_INTERVAL_S`."""
+    _get().tick(step)
+
+
+def _reset() -> None:
+    """Forget what was read from the environment (for tests that change it)."""
+    global _worker
+    if _worker is not None and _worker.fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(_worker.fd)
+    _worker = None
+
+
+def _process_start_time() -> float | None:
+    """When this process started (wall clock), from /proc: it includes the interpreter
+    and import time that a restart costs, which the process itself cannot time."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+# -- process group ----------------------------------------------------------------------
+
+
+def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
+    """`torch.distributed.init_process_group` for a worker started by torchrun, such that
+    a restarted attempt never meets the previous attempt's keys.
+
+    gloo ranks exchange their addresses through the store. If the store outlives an
+    attempt (torchrun shares its agent's store with the workers, across restarts), a
+    restarted rank could read a dead rank's address and hang; so each attempt gets its
+    own key prefix, ``unbroken/attempt-<TORCHELASTIC_RESTART_COUNT>``. When the store is
+    hosted by worker rank 0 (`unbroken run` asks torchrun for that, with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), it is new for each attempt and no prefix is
+    needed, which also holds when a replacement node's agent counts its restarts from 0.
+    """
+    import torch.distributed as dist
+
+    env = os.environ
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise RuntimeError(
+            f"init_process_group needs torchrun's environment; {', '.join(missing)} not set. "
+            "Start the script with torchrun or `unbroken run`."
+        )
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    worker = _get()
+    worker.event("init_start")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        world_size=world,
+        is_master=not shared and rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,  # the Checkpointer's groups may reuse the server in-process
+    )
+    prefix = f"unbroken/attempt-{attempt}" if shared else "unbroken"
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, timeout=timeout
+    )
+    worker.event("init_done", prefix=prefix)

@@ -1,0 +1,321 @@
+"""`unbroken run`: faults injected into a real torchrun job (2 gloo ranks, CPU) that must
+finish with parameters bitwise equal to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from unbroken import faults
+from unbroken.faults import Fault
+from unbroken.launcher import plan, split_argv
+
+STEPS = 24
+SAVE_EVERY = 10
+
+TRAIN = textwrap.dedent(
+    """
+    import argparse, json, logging, os, time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import unbroken
+    from unbroken import faults
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--save-every", type=int, required=True)
+    p.add_argument("--replicas", type=int, default=0)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    faults.init_process_group("gloo", timeout_s=60)
+    rank = dist.get_rank()
+
+    messages = []  # the Checkpointer logs where it restored from
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.getLogger("unbroken").addHandler(Keep())
+    logging.getLogger("unbroken").setLevel(logging.INFO)
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    progress = unbroken.Progress(step=0)
+    state = {"model": model, "optim": optim, "progress": progress}
+    memory_dir = os.environ.get("UNBROKEN_MEMORY_DIR", "/dev/shm/unbroken")
+    ckpt = unbroken.Checkpointer(
+        args.ckpt, memory=True, memory_dir=memory_dir, replicas=args.replicas
+    )
+    restored = ckpt.restore(state)
+    source = None
+    if restored is not None:
+        from_memory = any("shared memory" in m or "replica" in m for m in messages)
+        source = "memory" if from_memory else "storage"
+    with open(os.path.join(args.out, "starts.jsonl"), "a") as f:
+        f.write(json.dumps({
+            "rank": rank,
+            "attempt": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+            "node": os.environ.get("UNBROKEN_NODE"),
+            "restored": restored,
+            "source": source,
+        }) + "\\n")
+    while progress.step < args.steps:
+        step = progress.step + 1
+        g = torch.Generator().manual_seed(1000 * step + rank)  # the data depends on the step
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = (model(x) - y).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        progress.step = step
+        time.sleep(0.02)  # a step long enough for faults to land mid-run
+        faults.tick(step)
+        ckpt.snapshot(step, state)
+        if step % args.save_every == 0:
+            ckpt.save(step, state)
+    ckpt.close()
+    with open(os.path.join(args.out, f"final-{rank}.bin"), "wb") as f:
+        for t in model.state_dict().values():
+            f.write(t.numpy().tobytes())
+    dist.destroy_process_group()
+    """
+)
+
+
+def launch(tmp: Path, *options: str, env: dict[str, str] | None = None, replicas: int = 0) -> dict:
+    """`python -m unbroken.launcher OPTIONS train.py`; its timeline, final parameters and
+    the start records the workers wrote."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    script = tmp / "train.py"
+    script.write_text(TRAIN)
+    out = tmp / "out"
+    out.mkdir()
+    timeline = tmp / "timeline.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "unbroken.launcher",
+        f"--timeline-json={timeline}",
+        *options,
+        "--max-restarts=2",
+        "--monitor-interval=0.1",
+        str(script),
+        f"--ckpt={tmp / 'ckpt'}",
+        f"--out={out}",
+        f"--steps={STEPS}",
+        f"--save-every={SAVE_EVERY}",
+        f"--replicas={replicas}",
+    ]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {
+        "seconds": time.monotonic() - t0,
+        "stderr": proc.stderr,
+        "timeline": json.loads(timeline.read_text()),
+        "params": [(out / f"final-{r}.bin").read_bytes() for r in range(2)],
+        "starts": [json.loads(line) for line in (out / "starts.jsonl").read_text().splitlines()],
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run = launch(tmp_path_factory.mktemp("reference"), "--standalone", "--nproc-per-node=2")
+    assert run["timeline"]["recoveries"] == []
+    assert run["params"][0] == run["params"][1]  # DDP: the ranks agree
+    return run
+
+
+def restarts(run: dict) -> list[dict]:
+    return [s for s in run["starts"] if s["restored"] is not None]
+
+
+@pytest.mark.timeout(90)
+def test_killed_rank_recovers_from_memory_bitwise(tmp_path, reference):
+    step = random.Random().randint(3, STEPS - 2)
+    # The agent shares its store with the workers across attempts here (torchrun's
+    # default): the restarted attempt must get through init on its own key prefix.
+    run = launch(
+        tmp_path,
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--inject-fault=kill rank=1 step={step}",
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"},
+    )
+    assert run["params"] == reference["params"], f"killed at step {step}"
+    # tick() comes before snapshot(): the newest snapshot is the step before the kill.
+    assert sorted(restarts(run), key=lambda s: s["rank"]) == [
+        {"rank": r, "attempt": 1, "node": None, "restored": step - 1, "source": "memory"}
+        for r in (0, 1)
+    ]
+    events = run["timeline"]["events"]
+    prefixes = {e["prefix"] for e in events if e["event"] == "init_done" and e["attempt"] == 1}
+    assert prefixes == {"unbroken/attempt-1"}
+    [rec] = run["timeline"]["recoveries"]
+    assert rec["fault"] == f"kill rank=1 step={step}" and rec["fault_step"] == step
+    assert rec["detected_by"] == "worker_exit"
+    assert rec["fault_t"] <= rec["detected_t"] <= rec["restart_t"] <= rec["ready_t"]
+    assert rec["ready_t"] <= rec["first_step_t"]
+    assert rec["first_step"] == step and rec["steps_redone"] == 1
+    print(f"kill at step {step}: recovery {rec['recovery_s']:.2f} s, run {run['seconds']:.1f} s")
+
+
+@pytest.mark.timeout(90)
+def test_hang_is_detected_within_the_timeout(tmp_path, reference):
+    timeout = 3.0
+    run = launch(
+        tmp_path,
+        "--standalone",
+        "--nproc-per-node=2",
+        "--inject-fault=hang rank=0 step=8",
+        f"--heartbeat-timeout={timeout}",
+    )
+    assert run["params"] == reference["params"]
+    [rec] = run["timeline"]["recoveries"]
+    assert rec["detected_by"] == "hang_detected"
+    # The heartbeat is at most 0.2 s old when the hang starts; the watchdog polls often.
+    assert timeout - 0.5 < rec["detected_t"] - rec["fault_t"] < timeout + 1.0
+    assert "made no progress" in run["stderr"]
+    assert {s["source"] for s in restarts(run)} == {"memory"}
+    print(f"hang detected after {rec['detected_t'] - rec['fault_t']:.2f} s")
+
+
+@pytest.mark.timeout(90)
+def test_killed_node_is_replaced_and_the_run_finishes_bitwise(tmp_path, reference):
+    run = launch(
+        tmp_path,
+        "--simulate-nodes=2",
+        "--nproc-per-node=1",
+        "--inject-fault=kill-node node=1 step=14",
+        replicas=1,
+    )
+    assert run["params"] == reference["params"]
+    names = [e["event"] for e in run["timeline"]["events"]]
+    for name in ("node_kill_requested", "node_killed", "node_replaced"):
+        assert name in names
+    # Node 1's shared memory is gone, but rank 0 on node 0 holds a replica of its step 13
+    # (the snapshot before the kill): nobody goes back to storage's step 10.
+    again = restarts(run)
+    assert {s["rank"] for s in again} == {0, 1}
+    assert {(s["restored"], s["source"]) for s in again} == {(13, "memory")}
+    assert next(s for s in again if s["rank"] == 1)["node"] == "1"  # node i keeps its ranks
+    [rec] = run["timeline"]["recoveries"]
+    print(f"node loss: recovery {rec['recovery_s']:.2f} s")
+
+
+# -- fault specs and the command line ---------------------------------------------------
+
+
+def test_fault_specs_parse():
+    assert faults.parse("kill rank=1 step=40; hang rank=0 step=60 ;kill-node node=1 step=80") == [
+        Fault("kill", 1, 40, 0),
+        Fault("hang", 0, 60, 1),
+        Fault("kill-node", 1, 80, 2),
+    ]
+    assert faults.parse("") == [] and faults.parse(" ; ") == []
+    assert str(Fault("kill-node", 1, 80)) == "kill-node node=1 step=80"
+
+
+@pytest.mark.parametrize(
+    ("spec", "complaint"),
+    [
+        ("explode rank=1 step=2", "unknown kind 'explode'"),
+        ("kill rank=1", "missing step="),
+        ("kill step=3", "missing rank="),
+        ("kill rank=one step=3", "'rank=one' is not key=N"),
+        ("kill rank=-1 step=3", "'rank=-1' is not key=N"),
+        ("kill node=1 step=3", "kill takes rank= and step=, not node="),
+        ("kill-node rank=1 step=3", "kill-node takes node= and step=, not rank="),
+        ("hang rank=1 step=3 step=4", "step= given twice"),
+        ("kill rank=1 step=3; kill rank 2", "'rank' is not key=N"),
+    ],
+)
+def test_fault_spec_errors_name_the_bad_text(spec, complaint):
+    with pytest.raises(ValueError) as e:
+        faults.parse(spec)
+    assert complaint in str(e.value)
+    assert "bad fault" in str(e.value) and "kill rank=1 step=40" in str(e.value)
+
+
+def test_arguments_split_between_unbroken_torchrun_and_the_script():
+    ours, torchrun, script = split_argv(
+        [
+            "--inject-fault",
+            "kill rank=1 step=4",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--heartbeat-timeout=5",
+            "--max_restarts=3",
+            "train.py",
+            "--inject-fault",
+            "x",
+        ]
+    )
+    assert ours == ["--inject-fault", "kill rank=1 step=4", "--heartbeat-timeout=5"]
+    assert torchrun == ["--standalone", "--nproc-per-node", "2", "--max_restarts=3"]
+    assert script == ["train.py", "--inject-fault", "x"]  # the script's own, untouched
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["--inject-fault=kill rank=1", "t.py"], "missing step="),
+        (["--inject-fault=kill rank=1 step=3", "t.py"], "needs --max-restarts 1 or more"),
+        (["--max-restarts=1", "--inject-fault=kill-node node=0 step=3", "t.py"], "--simulate"),
+        (
+            ["--max-restarts=1", "--nproc-per-node=2", "--inject-fault=kill rank=2 step=3", "t.py"],
+            "no such rank",
+        ),
+        (["--simulate-nodes=2", "--max-restarts=1", "--standalone", "t.py"], "--standalone"),
+        (["--simulate-nodes=2", "t.py"], "needs --max-restarts"),
+        (["--standalone"], "no training script"),
+    ],
+)
+def test_bad_command_lines_are_refused_clearly(argv, complaint, capsys):
+    with pytest.raises(SystemExit) as e:
+        plan(argv)
+    assert e.value.code == 2
+    assert complaint in capsys.readouterr().err
+
+
+def test_tick_is_cheap_and_writes_a_heartbeat(tmp_path, monkeypatch):
+    monkeypatch.setenv("UNBROKEN_HEARTBEAT_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("UNBROKEN_INJECT_FAULT", "kill rank=1 step=1")  # another rank's
+    faults._reset()
+    try:
+        faults.tick(1)
+        t0 = time.perf_counter()
+        for step in range(2, 100_002):
+            faults.tick(step)
+        per_tick = (time.perf_counter() - t0) / 100_000
+        step, _, pid, attempt = (tmp_path / "rank-3").read_text().split()
+        assert int(pid) == os.getpid() and attempt == "0" and int(step) >= 1
+        assert per_tick < 20e-6, f"{per_tick * 1e6:.1f} us per tick"
+    finally:
+        faults._reset()
