@@ -368,7 +368,10 @@ class Checkpointer:
         `save` or `wait`).
         """
         self._drain()
-        return restoring.restore(self, state, step, strict)
+        faults.event("restore_start")
+        restored = restoring.restore(self, state, step, strict)
+        faults.event("restore_done", step=restored)
+        return restored
 
     # -- shutdown --------------------------------------------------------------------
 

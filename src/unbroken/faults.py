@@ -213,6 +213,19 @@ def tick(step: int) -> None:
     _get().tick(step)
 
 
+def event(name: str, **fields: Any) -> None:
+    """Record a timeline event for `unbroken run` (nothing happens outside it)."""
+    _get().event(name, **fields)
+
+
+def new_attempt(attempt: int) -> None:
+    """Start a new attempt in this same process (in-process recovery): events and
+    heartbeats carry ``attempt`` from now on, and its first step is reported again."""
+    worker = _get()
+    worker.attempt = attempt
+    worker.first_step_seen = False
+
+
 def _reset() -> None:
     """Forget what was read from the environment (for tests that change it)."""
     global _worker

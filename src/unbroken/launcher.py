@@ -98,6 +98,18 @@ def _our_parser() -> argparse.ArgumentParser:
         help="run N torchrun agents on this machine, each a node with its own shared memory",
     )
     p.add_argument("--timeline-json", type=Path, metavar="PATH", help="write the timeline here")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="replace only failed ranks, keeping the healthy ones alive (the script calls "
+        "unbroken.inprocess.run); one machine only, simulated nodes included: run "
+        "multi-machine jobs without it (see unbroken.supervisor)",
+    )
+    p.add_argument(
+        "--warm-spare",
+        action="store_true",
+        help="with --in-process: keep a standby worker per node with torch imported",
+    )
     return p
 
 
@@ -114,6 +126,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     script's. Which torchrun options take a value is read from torchrun's own parser."""
     ours_takes_value = {"--inject-fault", "--heartbeat-timeout", "--simulate-nodes"}
     ours_takes_value.add("--timeline-json")
+    our_flags = {"--in-process", "--warm-spare"}
     theirs: dict[str, bool] = {}
     for action in _torchrun_parser()._actions:
         for opt in action.option_strings:
@@ -128,9 +141,9 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
             return ours, torchrun, argv[i + 1 :]
         if not arg.startswith("-") or arg == "-":
             return ours, torchrun, argv[i:]
-        target = ours if name in ours_takes_value else torchrun
+        target = ours if name in ours_takes_value or name in our_flags else torchrun
         target.append(arg)
-        takes_value = name in ours_takes_value or theirs.get(name, True)
+        takes_value = name in ours_takes_value or (name not in our_flags and theirs.get(name, True))
         if "=" not in arg and takes_value and i + 1 < len(argv) and name not in ("-h", "--help"):
             target.append(argv[i + 1])
             i += 1
@@ -574,6 +587,10 @@ class Launch:
 
 def main(argv: list[str]) -> int:
     p = plan(argv)
+    if p.ours.in_process or p.ours.warm_spare:
+        from unbroken import supervisor
+
+        return supervisor.main(p)
     with tempfile.TemporaryDirectory(prefix="unbroken-heartbeat-") as heartbeat_dir:
         launch = Launch(p, heartbeat_dir)
 

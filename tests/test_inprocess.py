@@ -1,0 +1,220 @@
+"""`unbroken run --in-process`: a failed rank is replaced while the healthy ranks keep their
+processes, roll back from their own shared memory, and the run still ends with parameters
+bitwise equal to an uninterrupted run (2 gloo ranks, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+STEPS = 24
+SAVE_EVERY = 10
+
+TRAIN = textwrap.dedent(
+    """
+    import argparse, json, logging, os, time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import unbroken
+    from unbroken import faults, inprocess
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--save-every", type=int, required=True)
+    p.add_argument("--replicas", type=int, default=0)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    messages = []  # the Checkpointer logs where it restored from
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.getLogger("unbroken").addHandler(Keep())
+    logging.getLogger("unbroken").setLevel(logging.INFO)
+
+
+    def train():
+        rank = dist.get_rank()
+        messages.clear()
+        torch.manual_seed(0)
+        model = DistributedDataParallel(
+            nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        )
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        progress = unbroken.Progress(step=0)
+        state = {"model": model, "optim": optim, "progress": progress}
+        memory_dir = os.environ.get("UNBROKEN_MEMORY_DIR", "/dev/shm/unbroken")
+        ckpt = unbroken.Checkpointer(
+            args.ckpt, memory=True, memory_dir=memory_dir, replicas=args.replicas, timeout=60
+        )
+        restored = ckpt.restore(state)
+        source = None
+        if restored is not None:
+            if any("replica" in m for m in messages):
+                source = "replica"
+            elif any("shared memory" in m for m in messages):
+                source = "memory"
+            else:
+                source = "storage"
+        with open(os.path.join(args.out, "starts.jsonl"), "a") as f:
+            f.write(json.dumps({
+                "rank": rank,
+                "pid": os.getpid(),
+                "generation": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+                "seen_generation": faults._get().attempt,
+                "node": os.environ.get("UNBROKEN_NODE"),
+                "restored": restored,
+                "source": source,
+                "replicas_for": [m for m in messages if "replica" in m],
+            }) + "\\n")
+        while progress.step < args.steps:
+            step = progress.step + 1
+            g = torch.Generator().manual_seed(1000 * step + rank)  # the data depends on the step
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = (model(x) - y).pow(2).mean()
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            progress.step = step
+            time.sleep(0.02)  # a step long enough for faults to land mid-run
+            faults.tick(step)
+            ckpt.snapshot(step, state)
+            if step % args.save_every == 0:
+                ckpt.save(step, state)
+        ckpt.close()
+        with open(os.path.join(args.out, f"final-{rank}.bin"), "wb") as f:
+            for t in model.state_dict().values():
+                f.write(t.numpy().tobytes())
+
+
+    inprocess.run(train, timeout_s=30)
+    """
+)
+
+
+def launch(tmp: Path, *options: str, replicas: int = 0) -> dict:
+    """`python -m unbroken.launcher --in-process OPTIONS train.py`: its timeline, final
+    parameters, and the records each rank wrote at the start of each generation."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    script = tmp / "train.py"
+    script.write_text(TRAIN)
+    out = tmp / "out"
+    out.mkdir()
+    timeline = tmp / "timeline.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "unbroken.launcher",
+        "--in-process",
+        f"--timeline-json={timeline}",
+        *options,
+        "--max-restarts=2",
+        str(script),
+        f"--ckpt={tmp / 'ckpt'}",
+        f"--out={out}",
+        f"--steps={STEPS}",
+        f"--save-every={SAVE_EVERY}",
+        f"--replicas={replicas}",
+    ]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {
+        "seconds": time.monotonic() - t0,
+        "stderr": proc.stderr,
+        "timeline": json.loads(timeline.read_text()),
+        "params": [(out / f"final-{r}.bin").read_bytes() for r in range(2)],
+        "starts": [json.loads(line) for line in (out / "starts.jsonl").read_text().splitlines()],
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run = launch(tmp_path_factory.mktemp("reference"), "--nproc-per-node=2")
+    assert run["timeline"]["recoveries"] == []
+    assert run["params"][0] == run["params"][1]  # DDP: the ranks agree
+    assert {s["generation"] for s in run["starts"]} == {0}
+    return run
+
+
+def starts_of(run: dict, rank: int) -> list[dict]:
+    return sorted(
+        (s for s in run["starts"] if s["rank"] == rank), key=lambda s: s["seen_generation"]
+    )
+
+
+def check_recovery(run: dict, fault: str, step: int) -> dict:
+    [rec] = run["timeline"]["recoveries"]
+    assert rec["fault"] == fault and rec["fault_step"] == step
+    assert rec["generation"] == 1 and rec["respawned"] == [1]
+    order = ["fault_t", "detected_t", "respawn_t", "ready_t", "restored_t", "first_step_t"]
+    times = [rec[k] for k in order]
+    assert None not in times and times == sorted(times), rec
+    # tick() comes before snapshot(): the newest snapshot is the step before the fault.
+    assert rec["first_step"] == step and rec["steps_redone"] == 1
+    return rec
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spare", [False, True], ids=["cold", "warm-spare"])
+def test_killed_rank_is_replaced_in_process_bitwise(tmp_path, reference, spare):
+    step = 11
+    options = ["--nproc-per-node=2", f"--inject-fault=kill rank=1 step={step}"]
+    run = launch(tmp_path, *options, *(["--warm-spare"] if spare else []))
+    assert run["params"] == reference["params"]
+    first, again = starts_of(run, 0)
+    assert first["pid"] == again["pid"], "the healthy rank kept its process"
+    assert (again["seen_generation"], again["restored"], again["source"]) == (1, step - 1, "memory")
+    old, new = starts_of(run, 1)
+    assert old["pid"] != new["pid"] and new["generation"] == 1
+    assert (new["restored"], new["source"]) == (step - 1, "memory")  # its own, same node
+    rec = check_recovery(run, f"kill rank=1 step={step}", step)
+    assert rec["detected_by"] == "worker_exit"
+    assert rec["warm_spares"] == int(spare)
+    print(f"\nkill: {json.dumps(rec)}\nrun {run['seconds']:.1f} s")
+
+
+@pytest.mark.timeout(60)
+def test_killed_node_is_replaced_from_replicas_in_process_bitwise(tmp_path, reference):
+    step = 14
+    run = launch(
+        tmp_path,
+        "--simulate-nodes=2",
+        "--nproc-per-node=1",
+        f"--inject-fault=kill-node node=1 step={step}",
+        replicas=1,
+    )
+    assert run["params"] == reference["params"]
+    first, again = starts_of(run, 0)
+    assert first["pid"] == again["pid"], "node 0's rank kept its process"
+    old, new = starts_of(run, 1)
+    assert old["pid"] != new["pid"] and new["node"] == "1"
+    # Node 1's memory is gone: rank 1 gets step 13 back from rank 0's replica, rank 0 from
+    # its own memory; nobody goes back to storage's step 10.
+    assert (new["restored"], new["source"]) == (step - 1, "replica")
+    assert again["restored"] == step - 1 and again["source"] in ("memory", "replica")
+    rec = check_recovery(run, f"kill-node node=1 step={step}", step)
+    assert rec["detected_by"] == "node_kill_requested"
+    print(f"\nkill-node: {json.dumps(rec)}\nrun {run['seconds']:.1f} s")
