@@ -1,0 +1,203 @@
+"""The training job of bench/recovery.py, run by ``unbroken run`` (torchrun) on every rank.
+
+A small trunk and head around 8 large "expert" Linear layers (one per step, round robin),
+each part its own DDP, trained with AdamW; parameters plus optimizer state come to
+--mib-per-rank. A disk checkpoint every --save-every steps (``unbroken.Checkpointer``,
+synchronous); with --memory-every N > 0, a shared-memory snapshot every N steps (tier 0)
+and --replicas copies on peers of other nodes (tier 1). It restores at start, from
+wherever the Checkpointer finds the newest state, after evicting the checkpoint's pages
+from the page cache with --cold. Under ``unbroken run --in-process`` a healthy rank runs
+the loop again, in the same process, after a peer fails (`unbroken.inprocess.run`).
+
+Each process appends JSON lines (wall-clock ``t``) to ``--out/events-<rank>-<pid>.jsonl``;
+the bench reads them next to the launcher's timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import unbroken
+from save_load import MIB, evict
+from unbroken import faults, inprocess
+
+EXPERTS = 8
+IO = 64  # input and output features
+BATCH = 16
+WIDTH_MULTIPLE = 64
+
+
+class Events:
+    """This process's event log: one JSON line per event, appended whole. ``call``
+    counts the calls of `train` in this process (more than one under in-process
+    recovery, where a healthy rank trains again after a peer failed)."""
+
+    def __init__(self, out: str) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.node = os.environ.get(faults.NODE_ENV)
+        self.path = os.path.join(out, f"events-{self.rank}-{os.getpid()}.jsonl")
+        self.call = -1
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "t": time.time(), "rank": self.rank, "pid": os.getpid()}
+        record.update(call=self.call, node=self.node, **fields)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def width_for(mib: float) -> int:
+    """Width of the experts such that parameters + AdamW's two moments (12 bytes per fp32
+    parameter) come to about ``mib`` MiB."""
+    per_expert = mib * MIB / 12 / EXPERTS
+    return max(WIDTH_MULTIPLE, round(math.sqrt(per_expert) / WIDTH_MULTIPLE) * WIDTH_MULTIPLE)
+
+
+class Model(nn.Module):
+    """A small trunk and head around ``EXPERTS`` large square layers, one of which (round
+    robin by step) every step goes through: most of the state is memory, a step is cheap.
+
+    Each part is its own DistributedDataParallel, so a step all-reduces the gradients of
+    the parts it used only, and AdamW updates only those (the others have no gradient)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.trunk = DistributedDataParallel(nn.Sequential(nn.Linear(IO, width), nn.Tanh()))
+        self.experts = nn.ModuleList(
+            DistributedDataParallel(nn.Sequential(nn.Linear(width, width), nn.Tanh()))
+            for _ in range(EXPERTS)
+        )
+        self.head = DistributedDataParallel(nn.Linear(width, IO))
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.trunk(x)
+        h = h + self.experts[step % EXPERTS](h)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data depends on the step and rank only: a redone step sees the same batch."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(BATCH, IO, generator=g)
+    return x, torch.tanh(x.flip(1))  # a fixed function to learn: the loss goes down
+
+
+def train(args: argparse.Namespace, log: Events, messages: list[str]) -> None:
+    """One run of the training loop on the default process group, which
+    `unbroken.inprocess.run` set up; everything holding a process group is built here."""
+    log.call += 1
+    rank = dist.get_rank()
+    messages.clear()
+    width = width_for(args.mib_per_rank)
+    torch.manual_seed(0)
+    model = Model(width)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    progress = unbroken.Progress(step=0)
+    state: dict[str, Any] = {"model": model, "optim": optim, "progress": progress}
+    memory = args.memory_every > 0
+    ckpt = unbroken.Checkpointer(
+        args.ckpt, memory=memory, replicas=args.replicas, keep=2, timeout=120
+    )
+    params = sum(p.numel() for p in model.parameters())
+    log("setup_done", width=width, state_mib=12 * params / MIB)
+
+    evict_s, resident = 0.0, None
+    if args.cold:
+        # Before any rank reads: every rank drops the checkpoint's pages from the page
+        # cache (they are clean: saves end with fsync), as if the files were on a machine
+        # that never had them cached; the barrier keeps one rank's reads from starting
+        # before another rank's eviction.
+        started = time.perf_counter()
+        resident = evict(args.ckpt) if os.path.isdir(args.ckpt) else 0.0
+        evict_s = time.perf_counter() - started
+    dist.barrier()
+    log("restore_start")
+    restored = ckpt.restore(state)
+    source = None
+    if restored is not None:
+        source = "disk"
+        if any("shared memory" in m for m in messages):
+            source = "shared memory"
+        peers = [m for m in messages if "from peer replicas" in m]
+        if peers:  # logged on every rank: which ranks got theirs from a peer
+            source += ", peer replicas for ranks " + peers[-1].rsplit("ranks ", 1)[-1]
+    log("restore_end", restored=restored, source=source, evict_s=evict_s, resident=resident)
+
+    step_s: list[float] = []  # since the last disk save
+    snapshot_s: list[float] = []
+    loss = torch.tensor(float("nan"))
+    while progress.step < args.steps:
+        step = progress.step + 1
+        started = time.perf_counter()
+        x, y = batch(step, rank)
+        loss = (model(x, step) - y).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        loss = loss.detach()
+        progress.step = step
+        step_s.append(time.perf_counter() - started)
+        if restored is not None:
+            log("step_done", step=step)  # a restarted process: when it is back where it was
+        elif len(step_s) == 1:
+            log("loss", step=step, loss=loss.item())
+        faults.tick(step)  # heartbeat, and the injected fault, after the step completes
+        if memory and step % args.memory_every == 0:
+            started = time.perf_counter()
+            ckpt.snapshot(step, state)
+            snapshot_s.append(time.perf_counter() - started)
+        if step % args.save_every == 0:
+            started = time.perf_counter()
+            ckpt.save(step, state)
+            log(
+                "stats",
+                step=step,
+                step_s=statistics.median(step_s),
+                snapshot_s=statistics.median(snapshot_s) if snapshot_s else None,
+                save_s=time.perf_counter() - started,
+            )
+            step_s, snapshot_s = [], []
+    ckpt.close()
+    log("done", step=progress.step, loss=loss.item())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for the event logs")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (on disk)")
+    p.add_argument("--steps", type=int, default=85)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--memory-every", type=int, default=0, help="0: no shared memory")
+    p.add_argument("--replicas", type=int, default=0)
+    p.add_argument("--mib-per-rank", type=float, default=256)
+    p.add_argument("--cold", action="store_true", help="evict the checkpoint before restore")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    messages: list[str] = []  # the Checkpointer logs where it restored from
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logging.getLogger("unbroken").addHandler(Keep())
+    logging.getLogger("unbroken").setLevel(logging.INFO)
+    log = Events(args.out)
+    # Under `unbroken run --in-process`, train() runs again in this process after a peer
+    # fails; otherwise this is init_process_group, then train() once.
+    inprocess.run(lambda: train(args, log, messages), timeout_s=120)
+
+
+if __name__ == "__main__":
+    main()
