@@ -23,7 +23,7 @@ from unbroken import replicas
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Manifest, TensorEntry, checksum, step_dir
-from unbroken.shards import byte_view, dtensor_offsets, fill
+from unbroken.shards import byte_view, dtensor_offsets, fill, read_many
 from unbroken.state import capture, decode, is_stateful, tensor_keys
 from unbroken.storage import Storage
 from unbroken.storage.local import LocalStorage
@@ -115,24 +115,36 @@ def restore(
     readers = _readers(comm, manifest, reads, ckpt.replicated_reads)
     buffers: dict[str, torch.Tensor] = {}
 
-    def read_one(job: tuple[Any, ...]) -> tuple[str, torch.Tensor]:
-        key, dest, region, offsets, chunks = job
-        entry = manifest.tensors[key]
-        if key in readers:  # read by one rank, then broadcast: needs a CPU buffer
-            buffers[key] = region = _cpu_buffer(dest, entry)
-            dest = region if dest is None else dest
-            if readers[key] != comm.rank:
-                return key, dest
-        elif dest is None:
-            dest = region = torch.empty(entry.shape, dtype=entry.torch_dtype)
-        fill(storage, folder, key, entry, chunks, region, offsets)
-        return key, dest
-
     def read() -> dict[str, torch.Tensor]:
+        loaded, whole, partial = {}, [], []
+        for key, dest, region, offsets, chunks in reads:
+            entry = manifest.tensors[key]
+            if key in readers:  # read by one rank, then broadcast: needs a CPU buffer
+                buffers[key] = region = _cpu_buffer(dest, entry)
+                dest = region if dest is None else dest
+                if readers[key] != comm.rank:
+                    loaded[key] = dest
+                    continue
+            elif dest is None:
+                dest = region = torch.empty(entry.shape, dtype=entry.torch_dtype)
+            loaded[key] = dest
+            exact = [c for c in chunks if c.offsets == offsets and c.shape == list(region.shape)]
+            if (
+                exact
+                and region.device.type == "cpu"
+                and region.is_contiguous()
+                and (region.dtype == entry.torch_dtype)
+            ):
+                whole.append((key, entry, exact[0], region))
+            else:
+                partial.append((key, entry, chunks, region, offsets))
         # Threads overlap one block's checksum (which holds the GIL) with the next
         # block's read (which releases it), and keep several reads in flight.
+        read_many(storage, folder, whole, ckpt.io_threads)
         with ThreadPoolExecutor(ckpt.io_threads) as pool:
-            return dict(pool.map(read_one, reads))
+            for done in pool.map(lambda job: fill(storage, folder, *job), partial):
+                del done
+        return loaded
 
     loaded = comm.together(f"reading step {chosen}", read)
     if readers:
