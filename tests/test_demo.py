@@ -109,7 +109,7 @@ def test_long_runs_show_a_sample_of_rows_but_every_interesting_one() -> None:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
-def test_kill_job_reaches_workers_in_their_own_sessions(tmp_path: Path) -> None:
+def testkill_tree_reaches_workers_in_their_own_sessions(tmp_path: Path) -> None:
     # Like torchrun: a parent whose child runs in a new session (so not in its group).
     pidfile = tmp_path / "child.pid"
     child = (
@@ -126,7 +126,7 @@ def test_kill_job_reaches_workers_in_their_own_sessions(tmp_path: Path) -> None:
     worker = int(pidfile.read_text())
     assert os.getpgid(worker) != os.getpgid(parent.pid)
 
-    run._kill_job(parent.pid)
+    run.kill_tree(parent.pid)
     assert parent.wait(timeout=10) == -9
     deadline = time.monotonic() + 10
     while _alive(worker):

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from unbroken.demo import EVENT_PREFIX
+from unbroken.launcher import kill_tree
 
 VERDICT_EQUAL = "EQUAL"
 VERDICT_DIFFERENT = "DIFFERENT"
@@ -176,7 +176,7 @@ def _launch(cmd: list[str], kill_at: int | None) -> Launch:
 
     def on_timeout() -> None:  # a hung job (a collective that never ends) must not hang us
         launch.timed_out = True
-        _kill_job(proc.pid)
+        kill_tree(proc.pid)
 
     watchdog = threading.Timer(LAUNCH_TIMEOUT_S, on_timeout)
     watchdog.start()
@@ -193,7 +193,7 @@ def _launch(cmd: list[str], kill_at: int | None) -> Launch:
             elif event["event"] == "step":
                 launch.losses[int(event["step"])] = float(event["loss"])
                 if kill_at is not None and event["step"] >= kill_at and not launch.killed:
-                    _kill_job(proc.pid)
+                    kill_tree(proc.pid)
                     launch.killed = True
             elif event["event"] == "done":
                 launch.finished = True
@@ -201,7 +201,7 @@ def _launch(cmd: list[str], kill_at: int | None) -> Launch:
     finally:
         watchdog.cancel()
         if proc.poll() is None:
-            _kill_job(proc.pid)
+            kill_tree(proc.pid)
             proc.wait()
     launch.seconds = time.monotonic() - t0
     return launch
@@ -215,41 +215,6 @@ def _parse_event(line: str) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None  # mangled (say, by another process writing mid-line): keep it as log
     return event if isinstance(event, dict) else None
-
-
-def _kill_job(pid: int) -> None:
-    """SIGKILL the torchrun process group and every process below it.
-
-    torchrun starts each worker in a session of its own, so killing torchrun's group
-    alone would leave the workers running as orphans. Collect the whole tree first, then
-    kill every process group in it: like a machine losing power, nobody gets to clean up.
-    """
-    groups: list[int] = []
-    for p in [pid, *_descendants(pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            pgid = os.getpgid(p)
-            if pgid not in groups:
-                groups.append(pgid)
-    for pgid in groups:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # The command name may contain spaces and parentheses: parse after the last ')'.
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # exited while we looked
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 @contextlib.contextmanager
