@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -591,11 +592,17 @@ def main(argv: list[str]) -> int:
         from unbroken import supervisor
 
         return supervisor.main(p)
+    return drive(p, lambda heartbeat_dir: Launch(p, heartbeat_dir), "the agents")
+
+
+def drive(p: Plan, make: Callable[[str], Launch], what: str) -> int:
+    """Run a launch (``make`` builds it on a fresh heartbeat directory), forwarding
+    SIGINT/SIGTERM to ``what`` it started, then print and save its timeline."""
     with tempfile.TemporaryDirectory(prefix="unbroken-heartbeat-") as heartbeat_dir:
-        launch = Launch(p, heartbeat_dir)
+        launch = make(heartbeat_dir)
 
         def forward(sig: int, frame: FrameType | None) -> None:
-            launch.timeline.add("signal", f"got signal {sig}: stopping the agents")
+            launch.timeline.add("signal", f"got signal {sig}: stopping {what}")
             launch.stop(sig)
 
         # Signal handlers can only be set from the main thread (not, say, from a test).

@@ -47,14 +47,18 @@ class Slots:
         os.makedirs(directory, exist_ok=True)
         self._buffers: dict[int, torch.Tensor] = {}
         self._published: dict[int, tuple[int, str]] = {}  # slot -> (step, manifest JSON)
-        held = self.verified()
-        self.newest: int | None = held[max(held)][0] if held else None
+        self.newest: int | None = None  # the slot holding the newest snapshot
+        self._newest_known = False  # found on first write: verifying slots costs a pass
 
     def _path(self, slot: int, ext: str) -> str:
         return os.path.join(self.dir, f"slot-{slot}.{ext}")
 
     def begin(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """The slot to overwrite next, invalidated, with a mapped buffer of ``nbytes``."""
+        if not self._newest_known:
+            held = self.verified()
+            self.newest = held[max(held)][0] if held else None
+            self._newest_known = True
         slot = 1 if self.newest == 0 else 0
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(slot, "json"))  # from now on this slot is not whole
@@ -75,6 +79,7 @@ class Slots:
         if set(manifest.files) != {file}:
             manifest_json = _renamed(manifest, file)
         self._published[slot] = (manifest.step, manifest_json)
+        self._newest_known = True
         tmp = self._path(slot, "json.tmp")
         with open(tmp, "w") as f:
             json.dump({"job": self.job, "rank": self.owner, "manifest": manifest_json}, f)

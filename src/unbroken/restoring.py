@@ -93,7 +93,9 @@ def restore(
                 chosen,
                 sorted(holders_at[chosen]),
             )
-        manifest, storage, folder = memory.snapshots()[chosen], LocalStorage(memory.dir), "."
+        # Verified above, unless it just came back from a replica.
+        manifest = own[chosen] if chosen in own else memory.snapshots()[chosen]
+        storage, folder = LocalStorage(memory.dir), "."
         where = f"shared memory {memory.dir} (step {chosen})"
         log.info("restoring step %d from shared memory", chosen)
     else:

@@ -30,13 +30,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from types import FrameType
 from typing import Any
 
 from unbroken.faults import NODE_ENV
@@ -51,6 +48,7 @@ from unbroken.launcher import (
     Timeline,
     _say,
     _torchrun_parser,
+    drive,
     kill_tree,
 )
 
@@ -450,23 +448,4 @@ class Supervisor(Launch):
 def main(p: Plan) -> int:
     """`unbroken run --in-process ...`, after the launcher parsed the command line."""
     targs = check(p)
-    with tempfile.TemporaryDirectory(prefix="unbroken-heartbeat-") as heartbeat_dir:
-        sup = Supervisor(p, targs, heartbeat_dir)
-
-        def forward(sig: int, frame: FrameType | None) -> None:
-            sup.timeline.add("signal", f"got signal {sig}: stopping the workers")
-            sup.stop(sig)
-
-        main_thread = threading.current_thread() is threading.main_thread()
-        sigs = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
-        old = {s: signal.signal(s, forward) for s in sigs}
-        try:
-            code = sup.run()
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-            sup.cleanup()
-    print(sup.timeline.summary(), file=sys.stderr, flush=True)
-    if p.ours.timeline_json is not None:
-        p.ours.timeline_json.write_text(json.dumps(sup.timeline.to_json(code), indent=1))
-    return code
+    return drive(p, lambda heartbeat_dir: Supervisor(p, targs, heartbeat_dir), "the workers")
