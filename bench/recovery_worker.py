@@ -30,11 +30,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import unbroken
-from save_load import MIB, evict
 from unbroken import faults, inprocess
 
 EXPERTS = 8
 IO = 64  # input and output features
+MIB = 1 << 20
 BATCH = 16
 WIDTH_MULTIPLE = 64
 
@@ -68,19 +68,31 @@ class Model(nn.Module):
     """A small trunk and head around ``EXPERTS`` large square layers, one of which (round
     robin by step) every step goes through: most of the state is memory, a step is cheap.
 
-    Each part is its own DistributedDataParallel, so a step all-reduces the gradients of
-    the parts it used only, and AdamW updates only those (the others have no gradient)."""
+    Built once per process: under in-process recovery a healthy rank keeps its model and
+    optimizer, and only rolls their values back. What holds a process group (`Parallel`,
+    the Checkpointer) is built anew in each generation."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.trunk = DistributedDataParallel(nn.Sequential(nn.Linear(IO, width), nn.Tanh()))
+        self.trunk = nn.Sequential(nn.Linear(IO, width), nn.Tanh())
         self.experts = nn.ModuleList(
-            DistributedDataParallel(nn.Sequential(nn.Linear(width, width), nn.Tanh()))
-            for _ in range(EXPERTS)
+            nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(EXPERTS)
         )
-        self.head = DistributedDataParallel(nn.Linear(width, IO))
+        self.head = nn.Linear(width, IO)
 
-    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+
+class Parallel:
+    """Each part of ``model`` its own DistributedDataParallel, so a step all-reduces the
+    gradients of the parts it used only, and AdamW updates only those (the others have
+    no gradient). ``sync``: broadcast rank 0's parameters first (not needed right after
+    a restore, which gave every rank the same values)."""
+
+    def __init__(self, model: Model, sync: bool) -> None:
+        self.trunk = DistributedDataParallel(model.trunk, init_sync=sync)
+        self.experts = [DistributedDataParallel(e, init_sync=sync) for e in model.experts]
+        self.head = DistributedDataParallel(model.head, init_sync=sync)
+
+    def __call__(self, x: torch.Tensor, step: int) -> torch.Tensor:
         h = self.trunk(x)
         h = h + self.experts[step % EXPERTS](h)
         out: torch.Tensor = self.head(h)
@@ -94,27 +106,26 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x.flip(1))  # a fixed function to learn: the loss goes down
 
 
-def train(args: argparse.Namespace, log: Events, messages: list[str]) -> None:
-    """One run of the training loop on the default process group, which
-    `unbroken.inprocess.run` set up; everything holding a process group is built here."""
+def train(
+    args: argparse.Namespace, log: Events, messages: list[str], state: dict[str, Any]
+) -> None:
+    """One generation of the training loop on the default process group, which
+    `unbroken.inprocess.run` set up."""
     log.call += 1
     rank = dist.get_rank()
     messages.clear()
-    width = width_for(args.mib_per_rank)
-    torch.manual_seed(0)
-    model = Model(width)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    progress = unbroken.Progress(step=0)
-    state: dict[str, Any] = {"model": model, "optim": optim, "progress": progress}
+    model, optim, progress = state["model"], state["optim"], state["progress"]
     memory = args.memory_every > 0
     ckpt = unbroken.Checkpointer(
         args.ckpt, memory=memory, replicas=args.replicas, keep=2, timeout=120
     )
     params = sum(p.numel() for p in model.parameters())
-    log("setup_done", width=width, state_mib=12 * params / MIB)
+    log("setup_done", state_mib=12 * params / MIB)
 
     evict_s, resident = 0.0, None
     if args.cold:
+        from save_load import evict
+
         # Before any rank reads: every rank drops the checkpoint's pages from the page
         # cache (they are clean: saves end with fsync), as if the files were on a machine
         # that never had them cached; the barrier keeps one rank's reads from starting
@@ -134,6 +145,12 @@ def train(args: argparse.Namespace, log: Events, messages: list[str]) -> None:
         if peers:  # logged on every rank: which ranks got theirs from a peer
             source += ", peer replicas for ranks " + peers[-1].rsplit("ranks ", 1)[-1]
     log("restore_end", restored=restored, source=source, evict_s=evict_s, resident=resident)
+    if restored is None:
+        torch.manual_seed(0)
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+    net = Parallel(model, sync=restored is None)
 
     step_s: list[float] = []  # since the last disk save
     snapshot_s: list[float] = []
@@ -142,7 +159,7 @@ def train(args: argparse.Namespace, log: Events, messages: list[str]) -> None:
         step = progress.step + 1
         started = time.perf_counter()
         x, y = batch(step, rank)
-        loss = (model(x, step) - y).pow(2).mean()
+        loss = (net(x, step) - y).pow(2).mean()
         optim.zero_grad()
         loss.backward()
         optim.step()
@@ -194,9 +211,19 @@ def main() -> None:
     logging.getLogger("unbroken").addHandler(Keep())
     logging.getLogger("unbroken").setLevel(logging.INFO)
     log = Events(args.out)
+    # Built without values (as large models are), then given memory: a restore fills
+    # it or, on a fresh start, train() initialises it.
+    with torch.device("meta"):
+        model = Model(width_for(args.mib_per_rank))
+    model.to_empty(device="cpu")
+    state = {
+        "model": model,
+        "optim": torch.optim.AdamW(model.parameters(), lr=1e-4),
+        "progress": unbroken.Progress(step=0),
+    }
     # Under `unbroken run --in-process`, train() runs again in this process after a peer
     # fails; otherwise this is init_process_group, then train() once.
-    inprocess.run(lambda: train(args, log, messages), timeout_s=120)
+    inprocess.run(lambda: train(args, log, messages, state), timeout_s=120)
 
 
 if __name__ == "__main__":

@@ -3,22 +3,24 @@ synchronously or in the background."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, MutableMapping
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch.distributed as dist
 
-from unbroken import faults, replicas, restoring, saving
+from unbroken import abort, faults, replicas, restoring, saving
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.format import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
@@ -28,6 +30,7 @@ from unbroken.staging import Stager
 from unbroken.storage import Storage, open_storage
 
 log = logging.getLogger("unbroken")
+T = TypeVar("T")
 
 
 class PendingSave:
@@ -44,6 +47,8 @@ class PendingSave:
 
     def wait(self, timeout: float | None = None) -> bool:
         try:
+            if timeout is None:
+                _wait([self._future], f"waiting for the save of step {self.step}")
             return self._future.result(timeout)
         except TimeoutError:
             raise
@@ -157,12 +162,13 @@ class Checkpointer:
             self._replica_sources = [r for r in world if self.rank in partners(nodes, r, replicas)]
         # One worker persists saves in order: every rank then issues the same collectives
         # in the same order on the checkpointer's own group, never the training loop's.
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="unbroken-save")
+        self._worker = _Worker()
         self._pending: list[PendingSave] = []
         self._failure: tuple[int, BaseException] | None = None
         self._lock = threading.Lock()
         self._closed = False
         _at_exit(self)
+        _live.add(self)
 
     @property
     def rank(self) -> int:
@@ -275,7 +281,7 @@ class Checkpointer:
         try:
             return saving.persist(self, staged)
         except BaseException as e:
-            if background:
+            if background and not self._closed:  # abandoned: nobody is told any more
                 log.error("saving step %d failed: %s", staged.step, e)
                 with self._lock:
                     self._failure = (staged.step, e)
@@ -314,7 +320,7 @@ class Checkpointer:
             pending = [p._future for p in self._pending]
         if self._replicating is not None:
             pending.append(self._replicating)
-        futures.wait(pending)
+        _wait(pending, "waiting for background saves")
 
     def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
         """Keep ``state`` as ``step`` in this node's shared memory: no storage IO, and no
@@ -329,7 +335,7 @@ class Checkpointer:
         self._surface_failure()
         if self._replicating is not None:
             # The slot about to be overwritten may be the one still being sent.
-            futures.wait([self._replicating])
+            _wait([self._replicating], f"snapshot of step {step}: waiting for replication")
             self._surface_failure()
         staged = saving.stage(step, state, arena=None)
         blocks = zip(staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True)
@@ -346,7 +352,8 @@ class Checkpointer:
                 self._comm, memory, step, self._replica_partners, self._replica_sources
             )
         except BaseException as e:
-            log.error("replicating the snapshot of step %d failed: %s", step, e)
+            if not self._closed:
+                log.error("replicating the snapshot of step %d failed: %s", step, e)
             with self._lock:
                 self._failure = (step, e)
             raise
@@ -386,6 +393,19 @@ class Checkpointer:
             self._worker.shutdown(wait=True)
             self._comm.close()
 
+    def _abandon(self, timeout: float) -> bool:
+        """Stop using this checkpointer without talking to the other ranks (its group
+        is broken): cancel queued work and wait up to ``timeout`` for a save that is
+        writing files, not for a replication (its peers are gone or aborted too).
+        Whether the save stopped in time."""
+        if self._closed:
+            return True
+        self._closed = True
+        with self._lock:
+            running = [p._future for p in self._pending]
+        self._worker.shutdown(wait=False, cancel=True)
+        return not futures.wait(running, timeout).not_done
+
     def __enter__(self) -> Checkpointer:
         return self
 
@@ -394,6 +414,58 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.path!r}, rank={self.rank}/{self._comm.world_size})"
+
+
+class _Worker:
+    """One thread running the calls submitted to it in order, like a one-thread
+    ThreadPoolExecutor but a daemon: a Checkpointer abandoned by in-process recovery may
+    leave it stuck in a gloo operation until the group's timeout, which must not hold up
+    the process's exit. Saves still pending at exit are waited for by `_at_exit`."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="unbroken-save", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        future: Future[T] = Future()
+        self._queue.put((future, lambda: fn(*args)))
+        return future
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, call = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def shutdown(self, wait: bool = True, cancel: bool = False) -> None:
+        if cancel:
+            with contextlib.suppress(queue.Empty):
+                while (item := self._queue.get_nowait()) is not None:
+                    item[0].cancel()
+        self._queue.put(None)
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def _wait(pending: list[Future[Any]], what: str) -> None:
+    """Wait for ``pending`` to finish; under in-process recovery, raise as soon as the
+    generation is aborted instead (see `unbroken.abort`)."""
+    while futures.wait(pending, abort.poll_s()).not_done:
+        abort.check(what)
+
+
+_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def abandon_all(timeout: float = 30.0) -> list[str]:
+    """`Checkpointer._abandon` every open checkpointer of this process (in-process
+    recovery, after its groups were aborted); those still busy after ``timeout``."""
+    return [repr(c) for c in list(_live) if not c._abandon(timeout)]
 
 
 def _at_exit(ckpt: Checkpointer) -> None:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from unbroken import abort
 from unbroken.errors import CheckpointError
 
 T = TypeVar("T")
@@ -26,11 +27,12 @@ class Comm:
         self.rank, self.world_size = 0, 1
         if dist.is_available() and dist.is_initialized():
             # new_group is collective: every rank constructs its Checkpointer together.
-            self.group = dist.new_group(
-                ranks=None if group is None else dist.get_process_group_ranks(group),
-                backend="gloo",
-                timeout=timeout,
-            )
+            with abort.tracking():
+                self.group = dist.new_group(
+                    ranks=None if group is None else dist.get_process_group_ranks(group),
+                    backend="gloo",
+                    timeout=timeout,
+                )
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
 

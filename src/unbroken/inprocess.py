@@ -47,17 +47,19 @@ import json
 import os
 import runpy
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from unbroken import faults
+from unbroken import abort, faults
 
 T = TypeVar("T")
 
 IN_PROCESS_ENV = "UNBROKEN_IN_PROCESS"  # "1" when the supervisor started this process
 GENERATION_KEY = "unbroken/generation"
+ABORT_KEY = "unbroken/abort"  # -<g>: set by the supervisor when generation g failed
 WAIT_S = 60.0  # how long a rank waits for the supervisor to start a new generation
 FALLBACK = "run the job without --in-process: `unbroken run` restarts every worker instead"
 # What a collective raises when a peer's process is gone (its sockets closed).
@@ -92,49 +94,114 @@ def run(train: Callable[[], T], *, timeout_s: float = 60.0, wait_s: float = WAIT
     where = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     timeout = timedelta(seconds=timeout_s)
     try:
-        store = dist.TCPStore(
-            env["MASTER_ADDR"],
-            int(env["MASTER_PORT"]),
-            is_master=False,
-            timeout=timedelta(seconds=min(timeout_s, 10.0)),
-            wait_for_workers=False,
-        )
+        store = _connect(timeout_s)
         generation = _generation(store)
+        watcher = _Watcher(_connect(timeout_s))
     except Exception as e:
         raise InProcessError(
             f"cannot reach the supervisor's store at {where} ({e}); {FALLBACK}"
         ) from e
+    watcher.start()
     while True:
         # Events and heartbeats carry the generation as the attempt; the first step of
         # each generation is reported again.
         faults.new_attempt(generation)
         faults.event("init_start", generation=generation)
+        abort.begin()
+        watcher.watch(generation)
         try:
-            dist.init_process_group(
-                "gloo",
-                store=dist.PrefixStore(f"unbroken/gen-{generation}", store),
-                rank=rank,
-                world_size=world,
-                timeout=timeout,
-            )
+            with abort.tracking():
+                dist.init_process_group(
+                    "gloo",
+                    store=dist.PrefixStore(f"unbroken/gen-{generation}", store),
+                    rank=rank,
+                    world_size=world,
+                    timeout=timeout,
+                )
         except Exception as e:  # a rank of this generation died before it joined
-            faults.event("init_failed", generation=generation, error=str(e)[:300])
-            _teardown()
-            generation = _next_generation(store, generation, wait_s, e, where)
+            error = str(e)
+            faults.event("init_failed", generation=generation, error=error[:300])
+            del e
+            _abandon(generation)
+            generation = _next_generation(store, generation, wait_s, error, where)
             continue
         faults.event("init_done", generation=generation, prefix=f"unbroken/gen-{generation}")
         try:
             result = train()
         except Exception as e:
-            if not _peer_failure(e):
+            if not (watcher.fired(generation) or _peer_failure(e)):
                 raise  # the training code's own error: not ours to retry
-            faults.event("peer_failure", generation=generation, error=str(e)[:300])
-            _teardown()
-            generation = _next_generation(store, generation, wait_s, e, where)
+            error = str(e)
+            faults.event("peer_failure", generation=generation, error=error[:300])
+            del e  # its traceback holds the failed generation's model and groups
+            _abandon(generation)
+            generation = _next_generation(store, generation, wait_s, error, where)
             continue
+        watcher.watch(None)
         faults.event("train_done", generation=generation)  # no heartbeats from here on
         _teardown()
         return result
+
+
+class _Watcher(threading.Thread):
+    """Waits for the supervisor to give up on the running generation (it sets
+    ``unbroken/abort-<g>`` as it replaces a failed rank), then aborts this process's
+    groups, so that no collective of the old generation waits for its timeout."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(name="unbroken-watcher", daemon=True)
+        self.store = store
+        self.generation: int | None = None
+        self.done: int | None = None  # the generation aborted last
+
+    def watch(self, generation: int | None) -> None:
+        self.generation = generation
+
+    def fired(self, generation: int) -> bool:
+        return self.done == generation
+
+    def run(self) -> None:
+        while True:
+            g = self.generation
+            if g is None or g == self.done:
+                time.sleep(0.01)
+                continue
+            try:
+                # Generation g ends only by this key (the supervisor sets it before it
+                # starts the next one), or by training ending, when nobody cares.
+                self.store.wait([f"{ABORT_KEY}-{g}"], timedelta(days=1))
+            except Exception:  # the store is gone: there is no recovery to watch for
+                return
+            self.done = g
+            faults.event("abort", generation=g, connections=abort.shutdown())
+
+
+def _abandon(generation: int) -> None:
+    """Give up the failed generation without waiting on any peer: shut its connections
+    down (peers blocked on this rank fail at once instead of at their timeout), let the
+    Checkpointers' background work end, and destroy the groups."""
+    import gc
+
+    from unbroken.checkpointer import abandon_all
+
+    abort.shutdown()
+    busy = abandon_all(timeout=2.0)
+    if busy:
+        faults.event("abandon_slow", generation=generation, checkpointers=busy)
+    _teardown()
+    gc.collect()  # the old generation's model, optimizer and groups, held in cycles
+
+
+def _connect(timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=min(timeout_s, 10.0)),
+        wait_for_workers=False,
+    )
 
 
 def _once(train: Callable[[], T], timeout_s: float) -> T:
@@ -152,9 +219,7 @@ def _generation(store: Any) -> int:
     return int(store.add(GENERATION_KEY, 0))
 
 
-def _next_generation(
-    store: Any, generation: int, wait_s: float, error: BaseException, where: str
-) -> int:
+def _next_generation(store: Any, generation: int, wait_s: float, error: str, where: str) -> int:
     """The first generation after ``generation``, once the supervisor starts it."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -164,7 +229,7 @@ def _next_generation(
             raise InProcessError(
                 f"a peer failed ({error}) and the supervisor's store at {where} is gone "
                 f"({e}); {FALLBACK}"
-            ) from error
+            ) from None
         if now > generation:
             return now
         if time.monotonic() > deadline:
@@ -172,7 +237,7 @@ def _next_generation(
                 f"a collective failed ({error}) but the supervisor started no new "
                 f"generation within {wait_s:g} s: no peer died, so this is an error of the "
                 "training code itself, or the supervisor is stuck"
-            ) from error
+            )
         time.sleep(0.01)
 
 
@@ -210,7 +275,9 @@ def spare(key: str) -> None:
     """A warm spare (``python -m unbroken.inprocess --spare KEY``): import torch and the
     library, say so under ``KEY/ready``, wait for an assignment under ``KEY/assign``
     (JSON: ``env`` and ``argv``), then become that worker by running its script here."""
-    import torch  # noqa: F401  (the point: imported before it is needed)
+    # The point: imported before they are needed (DDP, FSDP and compile import
+    # torch._dynamo on first use: ~1 s here).
+    import torch._dynamo  # noqa: F401
     import torch.distributed as dist
 
     import unbroken  # noqa: F401

@@ -525,8 +525,8 @@ class Launch:
         pids = kill_tree(agent.proc.pid)
         agent.proc.wait()
         agent.killed = True
-        shutil.rmtree(self.node_memory(node), ignore_errors=True)
-        os.makedirs(self.node_memory(node))
+        lost = self.lose_memory(node)
+        threading.Thread(target=shutil.rmtree, args=(lost, True), daemon=True).start()
         self.timeline.add(
             "node_killed",
             f"node {node} killed ({len(pids)} processes) and its shared memory deleted",
@@ -536,6 +536,15 @@ class Launch:
         replacement.start()
         self.agents.append(replacement)
         self.timeline.add("node_replaced", f"replacement agent for node {node} started", node=node)
+
+    def lose_memory(self, node: int) -> str:
+        """Take ``node``'s shared memory away from it, as a lost machine's is: the
+        directory is renamed at once (a replacement finds it empty); the caller deletes
+        the returned path, which frees the pages and takes a while."""
+        lost = f"{self.node_memory(node)}.lost-{uuid.uuid4().hex[:8]}"
+        os.rename(self.node_memory(node), lost)
+        os.makedirs(self.node_memory(node))
+        return lost
 
     # -- heartbeats: worker exits and hangs
 

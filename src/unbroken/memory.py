@@ -10,10 +10,10 @@ written alternately, so a crash in the middle of a copy never destroys the last 
     <root>/<job>/replicas/rank-00001/slot-1.bin   a replica of rank 1's snapshot
 
 A slot counts only if its JSON exists, names this job, the owning rank and the world size,
-and every block matches its checksum. The JSON holds an ordinary manifest (one rank, one
-file), so restoring from memory is restoring a checkpoint whose storage is the slot's
-directory. Before a slot is overwritten its JSON is removed, so a half-written slot is
-never mistaken for a whole one.
+and, once chosen for a restore, every block matches its checksum. The JSON holds an
+ordinary manifest (one rank, one file), so restoring from memory is restoring a
+checkpoint whose storage is the slot's directory. Before a slot is overwritten its JSON
+is removed, so a half-written slot is never mistaken for a whole one.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Slots:
     def begin(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """The slot to overwrite next, invalidated, with a mapped buffer of ``nbytes``."""
         if not self._newest_known:
-            held = self.verified()
+            held = self.whole()
             self.newest = held[max(held)][0] if held else None
             self._newest_known = True
         slot = 1 if self.newest == 0 else 0
@@ -106,14 +106,31 @@ class Slots:
         size = max(os.path.getsize(path), 1)
         return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
-    def verified(self) -> dict[int, tuple[int, Manifest]]:
-        """``{step: (slot, manifest)}`` for every whole, verified slot."""
+    def whole(self) -> dict[int, tuple[int, Manifest]]:
+        """``{step: (slot, manifest)}`` for every whole slot of this job, rank and world
+        size. Their bytes are not checked here: see `intact`."""
         found = {}
         for slot in (0, 1):
             manifest = self._load(slot)
             if manifest is not None:
                 found[manifest.step] = (slot, manifest)
         return found
+
+    def intact(self, step: int) -> bool:
+        """Whether the slot holding ``step`` matches every checksum of its manifest."""
+        held = self.whole().get(step)
+        if held is None:
+            return False
+        slot, manifest = held
+        buffer = self._buffers.get(slot)
+        buffer = buffer if buffer is not None else self._map(slot)
+        for key, entry in manifest.tensors.items():
+            chunk = entry.chunks[0]
+            if checksum(byte_view(buffer[chunk.start : chunk.end])) != chunk.xxh3:
+                where = self._path(slot, "bin")
+                log.warning("ignoring %s: tensor %r fails its checksum", where, key)
+                return False
+        return True
 
     def _load(self, slot: int) -> Manifest | None:
         where = self._path(slot, "json")
@@ -134,12 +151,6 @@ class Slots:
             return None
         if size != manifest.files.get(os.path.basename(data)):
             return None
-        buffer = self._map(slot)
-        for key, entry in manifest.tensors.items():
-            chunk = entry.chunks[0]
-            if checksum(byte_view(buffer[chunk.start : chunk.end])) != chunk.xxh3:
-                log.warning("ignoring %s: tensor %r fails its checksum", data, key)
-                return None
         return manifest
 
 
@@ -203,8 +214,9 @@ class MemoryTier:
         return self._replicas[owner]
 
     def snapshots(self) -> dict[int, Manifest]:
-        """Every whole, verified snapshot this rank holds of itself, by step."""
-        return {step: m for step, (_, m) in self.own.verified().items()}
+        """Every whole snapshot this rank holds of itself, by step (not yet checksummed:
+        restore checks only the one it chooses, with `Slots.intact`)."""
+        return {step: m for step, (_, m) in self.own.whole().items()}
 
     def remove(self) -> None:
         """Forget everything this rank holds (the job finished)."""

@@ -46,63 +46,55 @@ def restore(
             "every rank must call restore() with the same step"
         )
 
-    # Memory first: the newest step that every rank has in its own shared memory or,
-    # for a rank whose node was lost, in a peer's replica.
     memory = ckpt._memory
-    own = memory.snapshots() if memory is not None else {}
-    kept = {}
-    if memory is not None:
-        kept = {str(o): sorted(memory.replica(o).verified()) for o in ckpt._replica_sources}
-    table = comm.all_gather([sorted(own), kept])
-    holders_at: dict[int, dict[int, list[int]]] = {}  # step -> lost rank -> replica holders
-    in_memory = set()
-    for candidate in {s for steps, _ in table for s in steps} | {
-        s for _, k in table for steps in k.values() for s in steps
-    }:
-        lost = {r for r, (steps, _) in enumerate(table) if candidate not in steps}
-        holders = {
-            r: [q for q, (_, k) in enumerate(table) if candidate in k.get(str(r), [])] for r in lost
-        }
-        if all(holders.values()):
-            in_memory.add(candidate)
-            holders_at[candidate] = holders
-
-    def choose() -> int | None:
-        if comm.rank != 0:
-            return None
-        if step is not None:
-            if step not in in_memory:
-                ckpt.manifest(step)  # raises a clear error if it is not committed
-            return step
-        stored = ckpt._latest()
-        newest = max(in_memory, default=None)
-        if newest is not None and (stored is None or newest >= stored):
-            return newest
-        return stored
-
-    chosen: int | None = comm.broadcast(comm.together("finding a checkpoint", choose))
-    if chosen is None:
-        return None
+    rejected: set[int] = set()  # steps whose copy in memory failed a checksum somewhere
     storage: Storage
-    if chosen in in_memory:
+    while True:
+        in_memory = _in_memory(ckpt, rejected)
+
+        def choose(in_memory: dict[int, Any] = in_memory) -> int | None:
+            if comm.rank != 0:
+                return None
+            if step is not None:
+                if step not in in_memory:
+                    ckpt.manifest(step)  # raises a clear error if it is not committed
+                return step
+            stored = ckpt._latest()
+            newest = max(in_memory, default=None)
+            if newest is not None and (stored is None or newest >= stored):
+                return newest
+            return stored
+
+        chosen: int | None = comm.broadcast(comm.together("finding a checkpoint", choose))
+        if chosen is None:
+            return None
+        if chosen not in in_memory:
+            manifest, storage, folder = ckpt.manifest(chosen), ckpt.storage, step_dir(chosen)
+            where = f"{ckpt.path}/{folder}"
+            break
         assert memory is not None
-        if holders_at[chosen]:
-            replicas.recover(comm, memory, chosen, holders_at[chosen])
+        if in_memory[chosen]:
+            replicas.recover(comm, memory, chosen, in_memory[chosen])
             log.info(
                 "step %d recovered from peer replicas for ranks %s",
                 chosen,
-                sorted(holders_at[chosen]),
+                sorted(in_memory[chosen]),
             )
-        # Verified above, unless it just came back from a replica.
-        manifest = own[chosen] if chosen in own else memory.snapshots()[chosen]
-        storage, folder = LocalStorage(memory.dir), "."
-        where = f"shared memory {memory.dir} (step {chosen})"
-        log.info("restoring step %d from shared memory", chosen)
-    else:
-        manifest, storage, folder = ckpt.manifest(chosen), ckpt.storage, step_dir(chosen)
-        where = f"{ckpt.path}/{folder}"
-    # Fresh optimizers get their state tensors first, so that the checkpoint is read
-    # into them in place, sharded like their parameters (FSDP2 needs DTensor state).
+        # Only the chosen copy is checksummed, once here and once as it is read: no pass
+        # over the copies that are not used.
+        intact = comm.all_gather(memory.own.intact(chosen))
+        if all(intact):
+            manifest = memory.snapshots()[chosen]
+            storage, folder = LocalStorage(memory.dir), "."
+            where = f"shared memory {memory.dir} (step {chosen})"
+            log.info("restoring step %d from shared memory", chosen)
+            break
+        bad = [r for r, ok in enumerate(intact) if not ok]
+        log.warning("step %d in shared memory is damaged on ranks %s; not using it", chosen, bad)
+        rejected.add(chosen)
+    # Fresh optimizers of sharded parameters get their state tensors first, so that the
+    # checkpoint is read into them in place, sharded like their parameters (FSDP2 needs
+    # DTensor state).
     fresh = [o for o in state.values() if isinstance(o, Optimizer) and _init_state(o)]
     try:
         tree, reads = comm.together(
@@ -178,6 +170,31 @@ def restore(
 
     comm.together(f"loading step {chosen} into the state", apply)
     return chosen
+
+
+def _in_memory(ckpt: Checkpointer, rejected: set[int]) -> dict[int, dict[int, list[int]]]:
+    """The steps every rank can get from shared memory: from its own, or, for a rank
+    whose copy is gone, from a peer's replica. ``{step: {lost rank: replica holders}}``.
+    Collective."""
+    memory = ckpt._memory
+    own, kept = [], {}
+    if memory is not None:
+        own = sorted(memory.snapshots())
+        kept = {str(o): sorted(memory.replica(o).whole()) for o in ckpt._replica_sources}
+    table = ckpt._comm.all_gather([own, kept])
+    found = {}
+    for candidate in {s for steps, _ in table for s in steps} | {
+        s for _, k in table for steps in k.values() for s in steps
+    }:
+        if candidate in rejected:
+            continue
+        lost = {r for r, (steps, _) in enumerate(table) if candidate not in steps}
+        holders = {
+            r: [q for q, (_, k) in enumerate(table) if candidate in k.get(str(r), [])] for r in lost
+        }
+        if all(holders.values()):
+            found[candidate] = holders
+    return found
 
 
 def _readers(comm: Comm, manifest: Manifest, reads: list[Any], mode: str) -> dict[str, int]:
@@ -289,10 +306,16 @@ def _check(
 
 
 def _init_state(optim: Optimizer) -> bool:
-    """Give a fresh optimizer its state with one zero-learning-rate step on zero grads.
-    Returns False, doing nothing, if it already has state or any grad is set."""
+    """Give a fresh optimizer of sharded (DTensor) parameters its state with one
+    zero-learning-rate step on zero grads. Returns False, doing nothing, if it already
+    has state, any grad is set, or no parameter is a DTensor: plain tensors of state are
+    read into new tensors, which costs nothing like a step over the whole model."""
     params = [p for group in optim.param_groups for p in group["params"]]
-    if optim.state or any(p.grad is not None for p in params):
+    if (
+        optim.state
+        or any(p.grad is not None for p in params)
+        or not any(isinstance(p, DTensor) for p in params)
+    ):
         return False
     lrs = [group["lr"] for group in optim.param_groups]
     for group in optim.param_groups:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from unbroken import abort
+
 _ALIGN = 64  # every block starts on a cache line, so typed views of the buffer are valid
 
 
@@ -79,7 +81,8 @@ class Stager:
         with self._cond:
             if not wait and not self._free:
                 return None
-            self._cond.wait_for(lambda: bool(self._free))
+            while not self._cond.wait_for(lambda: bool(self._free), abort.poll_s()):
+                abort.check("waiting for a staging buffer")
             return self._free.pop()
 
     def release(self, arena: Arena) -> None:

@@ -37,7 +37,7 @@ from datetime import timedelta
 from typing import Any
 
 from unbroken.faults import NODE_ENV
-from unbroken.inprocess import GENERATION_KEY, IN_PROCESS_ENV
+from unbroken.inprocess import ABORT_KEY, GENERATION_KEY, IN_PROCESS_ENV
 from unbroken.launcher import (
     MEMORY_DIR_ENV,
     POLL_S,
@@ -143,7 +143,8 @@ class InProcessTimeline(Timeline):
                 respawned=sorted(e["rank"] for e in respawns),
                 warm_spares=sum(bool(e["spare"]) for e in respawns),
                 noticed_t=min(
-                    (e["t"] for e in after if e["event"] == "peer_failure"), default=None
+                    (e["t"] for e in after if e["event"] in ("peer_failure", "abort")),
+                    default=None,
                 ),
                 respawn_t=max((e["t"] for e in respawns), default=None),
                 ready_t=last("init_done"),
@@ -168,7 +169,7 @@ class InProcessTimeline(Timeline):
             lines += [
                 f"  {at('fault_t')}  fault: {r['fault']} at step {r['fault_step']}",
                 f"  {at('detected_t')}  detected ({r['detected_by']})",
-                f"  {at('noticed_t')}  a healthy rank's collective failed",
+                f"  {at('noticed_t')}  a healthy rank aborted its groups",
                 f"  {at('respawn_t')}  generation {r['generation']}: ranks {r['respawned']} "
                 f"respawned ({how})",
                 f"  {at('ready_t')}  process group ready on every rank",
@@ -206,6 +207,8 @@ class Supervisor(Launch):
         self.failure: str | None = None
         self.finished: dict[int, int] = {}  # pid -> rank: train() returned, exiting
         self.scanned = 0
+        self.spares_owed = 0
+        self.lost: list[str] = []  # shared memory of killed nodes, to delete
 
     # -- processes
 
@@ -265,7 +268,7 @@ class Supervisor(Launch):
                 f"{key}/assign", json.dumps({"env": env, "argv": script, "module": module})
             )
             worker.proc = proc
-            self.start_spare()  # the next standby, in the background
+            self.spares_owed += 1  # started once this recovery is done: see replenish
         else:
             worker.proc = subprocess.Popen(
                 self.command(), env={**self.base_env(), **env}, start_new_session=True
@@ -329,6 +332,7 @@ class Supervisor(Launch):
             self.watch()
             if not self.stopping:
                 self.check_workers()
+                self.replenish()
             live = [w for w in self.workers.values() if w.proc and w.proc.poll() is None]
             if not live and (self.stopping or all(w.done for w in self.workers.values())):
                 break
@@ -345,6 +349,24 @@ class Supervisor(Launch):
             _say(self.failure)
         self.timeline.add("done", f"done, exit code {code}", exit_code=code)
         return code
+
+    def replenish(self) -> None:
+        """Once every rank completed a step in the new generation, replace the spares
+        the recovery used and free the lost node's memory: a spare importing torch, or
+        the kernel freeing pages, takes CPU the recovery needs."""
+        if not self.spares_owed and not self.lost:
+            return
+        stepped = {
+            e["rank"]
+            for e in self.timeline.events
+            if e["event"] == "first_step" and e.get("attempt") == self.generation
+        }
+        if len(stepped) == self.world:
+            for _ in range(self.spares_owed):
+                self.start_spare()
+            for path in self.lost:
+                shutil.rmtree(path, ignore_errors=True)
+            self.spares_owed, self.lost = 0, []
 
     def note_finished(self) -> None:
         """Ranks whose train() returned: they tick no more, so the watchdog leaves them
@@ -395,6 +417,7 @@ class Supervisor(Launch):
             )
             return
         self.recoveries += 1
+        self.abort(ranks)
         self.generation = int(self.store.add(GENERATION_KEY, 1))
         self.timeline.add(
             "generation",
@@ -404,6 +427,11 @@ class Supervisor(Launch):
         )
         for rank in ranks:
             self.spawn(rank, self.generation)
+
+    def abort(self, ranks: list[int]) -> None:
+        """Tell the healthy ranks that the generation failed, first thing: their
+        collectives may be stuck on the dead ranks (see `unbroken.abort`)."""
+        self.store.set(f"{ABORT_KEY}-{self.generation}", json.dumps({"failed": ranks}))
 
     def give_up(self, why: str) -> None:
         self.failure = why
@@ -426,8 +454,8 @@ class Supervisor(Launch):
         for w in doomed:
             assert w.proc is not None
             w.proc.wait()
-        shutil.rmtree(self.node_memory(node), ignore_errors=True)
-        os.makedirs(self.node_memory(node))
+        self.abort(sorted(w.rank for w in doomed))
+        self.lost.append(self.lose_memory(node))
         self.timeline.add(
             "node_killed",
             f"node {node} killed ({len(doomed)} processes) and its shared memory deleted",

@@ -1,0 +1,108 @@
+"""Aborting gloo process groups whose collectives are stuck on a failed peer.
+
+gloo has no abort that wakes an operation in flight: ``ProcessGroup.abort()`` and
+``destroy_process_group()`` return, but a rank blocked in a receive from a live peer that
+is itself stuck stays blocked until the group's timeout (minutes), and destroying a group
+with such an operation waits for it. What does wake it is its connection going away, so
+this module keeps the sockets of the process groups unbroken creates (the default group
+of ``inprocess.run`` and each Checkpointer's group), and `shutdown` shuts down their
+connections: every operation in flight on them fails at once with "connection closed",
+here and on the peer at the other end, which then fails too instead of waiting.
+
+Not quite every one: gloo can miss waking a send whose connection broke mid-transfer,
+which then waits for the group's timeout. So the Checkpointer never blocks its caller on
+its own gloo work without a bound: its waits poll `check`, and an aborted Checkpointer is
+abandoned (`Checkpointer._abandon`), not joined.
+
+Sockets are recognised by their inode, recorded as the group is created (gloo connects
+its whole mesh while the group is built). Listening sockets are left alone: gloo's
+listener thread aborts the process if its socket is shut down under it. Groups the
+training code creates itself are not tracked; their operations fail once a peer's do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Iterator
+
+from unbroken.errors import CheckpointError
+
+POLL_S = 0.05  # how often waits of the Checkpointer look for an abort
+
+_lock = threading.Lock()
+_owned: set[str] = set()  # "socket:[inode]" links of tracked connections
+_enabled = False
+_aborted = threading.Event()
+
+
+def begin() -> None:
+    """A new generation of in-process recovery: track the sockets of process groups
+    created from now on; nothing is aborted yet."""
+    global _enabled
+    _enabled = True
+    _aborted.clear()
+
+
+def poll_s() -> float | None:
+    """How long a wait that must notice an abort may block at a time: forever unless
+    in-process recovery is on."""
+    return POLL_S if _enabled else None
+
+
+def check(what: str) -> None:
+    """Raise if this generation was aborted (a peer failed). Waits on gloo work call
+    this between bounded waits: gloo can miss waking an operation whose peer died."""
+    if _aborted.is_set():
+        raise CheckpointError(
+            f"{what}: stopped because a peer failed; in-process recovery restarts training"
+        )
+
+
+@contextlib.contextmanager
+def tracking() -> Iterator[None]:
+    """Record the sockets created inside the block as belonging to a process group."""
+    if not _enabled:
+        yield
+        return
+    before = set(_sockets().values())
+    yield
+    with _lock:
+        _owned.update(set(_sockets().values()) - before)
+
+
+def shutdown() -> int:
+    """Abort this generation: shut down every tracked connection (how many there were)
+    and make `check` raise. Safe from any thread."""
+    _aborted.set()
+    with _lock:
+        owned = set(_owned)
+        _owned.clear()
+    count = 0
+    for fd, link in _sockets().items():
+        if link not in owned:
+            continue
+        with contextlib.suppress(OSError):
+            # A duplicate descriptor: shutdown acts on the socket itself, and closing the
+            # duplicate leaves gloo's own descriptor open (gloo closes it later).
+            sock = socket.socket(fileno=os.dup(fd))
+            try:
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_RDWR)
+                    count += 1
+            finally:
+                sock.close()
+    return count
+
+
+def _sockets() -> dict[int, str]:
+    """This process's socket descriptors: fd -> "socket:[inode]"."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{name}")
+            if link.startswith("socket:["):
+                found[int(name)] = link
+    return found
