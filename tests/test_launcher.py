@@ -319,3 +319,26 @@ def test_tick_is_cheap_and_writes_a_heartbeat(tmp_path, monkeypatch):
         assert per_tick < 20e-6, f"{per_tick * 1e6:.1f} us per tick"
     finally:
         faults._reset()
+
+
+def test_timeline_gives_each_fault_its_own_recovery():
+    from unbroken.launcher import Timeline
+
+    tl = Timeline(t0=0.0)
+
+    def worker(pid: int, start: float, step: int) -> None:
+        tl.add("process_start", t=start, pid=pid, process_start=start)
+        tl.add("init_done", t=start + 1, pid=pid)
+        tl.add("first_step", t=start + 2, pid=pid, step=step)
+
+    worker(1, 0.0, 1)
+    tl.add("fault", t=10.0, spec="kill rank=0 step=40", step=40)
+    tl.add("worker_exit", t=10.1, pid=1)
+    worker(2, 12.0, 39)  # the restart after the first fault
+    tl.add("fault", t=20.0, spec="kill-node node=0 step=70", step=70)
+    tl.add("node_kill_requested", t=20.05)
+    worker(3, 23.0, 66)  # the replacement after the second
+    first, second = tl.recoveries()
+    assert (first["restart_t"], first["first_step_t"], first["steps_redone"]) == (12.0, 14.0, 2)
+    assert (second["restart_t"], second["first_step_t"], second["steps_redone"]) == (23.0, 25.0, 5)
+    assert (first["detected_by"], second["detected_by"]) == ("worker_exit", "node_kill_requested")

@@ -35,15 +35,17 @@ POLL_S = 0.05  # how often waits of the Checkpointer look for an abort
 _lock = threading.Lock()
 _owned: set[str] = set()  # "socket:[inode]" links of tracked connections
 _enabled = False
+_generation = 0
 _aborted = threading.Event()
 
 
-def begin() -> None:
-    """A new generation of in-process recovery: track the sockets of process groups
-    created from now on; nothing is aborted yet."""
-    global _enabled
-    _enabled = True
-    _aborted.clear()
+def begin(generation: int = 0) -> None:
+    """Generation ``generation`` of in-process recovery starts: track the sockets of
+    process groups created from now on; nothing is aborted yet."""
+    global _enabled, _generation
+    with _lock:
+        _enabled, _generation = True, generation
+        _aborted.clear()
 
 
 def poll_s() -> float | None:
@@ -73,27 +75,30 @@ def tracking() -> Iterator[None]:
         _owned.update(set(_sockets().values()) - before)
 
 
-def shutdown() -> int:
-    """Abort this generation: shut down every tracked connection (how many there were)
-    and make `check` raise. Safe from any thread."""
-    _aborted.set()
+def shutdown(generation: int | None = None) -> int:
+    """Abort the current generation (or only ``generation``, if it is still the current
+    one): shut down every tracked connection (how many there were) and make `check`
+    raise. Safe from any thread."""
     with _lock:
+        if generation is not None and generation != _generation:
+            return 0  # too late: that generation is over, its connections gone
+        _aborted.set()
         owned = set(_owned)
         _owned.clear()
-    count = 0
-    for fd, link in _sockets().items():
-        if link not in owned:
-            continue
-        with contextlib.suppress(OSError):
-            # A duplicate descriptor: shutdown acts on the socket itself, and closing the
-            # duplicate leaves gloo's own descriptor open (gloo closes it later).
-            sock = socket.socket(fileno=os.dup(fd))
-            try:
-                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    sock.shutdown(socket.SHUT_RDWR)
-                    count += 1
-            finally:
-                sock.close()
+        count = 0
+        for fd, link in _sockets().items():
+            if link not in owned:
+                continue
+            with contextlib.suppress(OSError):
+                # A duplicate descriptor: shutdown acts on the socket itself, and closing
+                # the duplicate leaves gloo's own descriptor open (gloo closes it later).
+                sock = socket.socket(fileno=os.dup(fd))
+                try:
+                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        sock.shutdown(socket.SHUT_RDWR)
+                        count += 1
+                finally:
+                    sock.close()
     return count
 
 

@@ -1,10 +1,13 @@
 """In-process recovery, the worker side: `run(train)` keeps a healthy rank's process alive
 through a peer's failure.
 
-    def train() -> None:
-        model, optim = ...                    # built anew in every generation
+    model, optim = ...                        # built once per process
+    state = {"model": model, "optim": optim, "progress": unbroken.Progress(step=0)}
+
+    def train() -> None:                      # one generation
         ckpt = unbroken.Checkpointer(path, memory=True, replicas=1)
         ckpt.restore(state)                   # own shared memory, a replica, or storage
+        ddp = DistributedDataParallel(model)  # holds the generation's process group
         for step in ...: ...
 
     unbroken.inprocess.run(train)
@@ -12,17 +15,20 @@ through a peer's failure.
 Under ``unbroken run --in-process`` (`unbroken.supervisor`) the supervisor hosts a
 TCPStore that outlives every worker, with a *generation* counter in it. `run` connects to
 it, reads generation g, initialises the default process group (gloo) on the store prefix
-``unbroken/gen-<g>`` and calls ``train()``. When a peer dies, its sockets close and the
-next collective raises here; `run` then destroys the process group, waits (bounded) for
-the supervisor to move the generation past g, which it does once it has respawned the dead
-ranks under the same rank numbers, and calls ``train()`` again in the same process. So the
-healthy ranks skip the interpreter start, the imports and the reattachment to their shared
-memory, and roll back from it; only the replacements start fresh and pull their state from
-a peer's replica.
+``unbroken/gen-<g>`` and calls ``train()``. When a peer dies, the supervisor sets
+``unbroken/abort-<g>``; a watcher thread here waits on that key and aborts the
+generation's process groups (`unbroken.abort`: their connections are shut down, so any
+collective still waiting fails at once, here and on every peer, instead of at its
+timeout). The failure surfaces in ``train()``; `run` abandons the generation's
+Checkpointers and groups, waits (bounded) for the supervisor to move the generation past
+g, which it does once it has respawned the dead ranks under the same rank numbers, and
+calls ``train()`` again in the same process. So the healthy ranks skip the interpreter
+start, the imports and the model's construction, and roll back from their own memory;
+only the replacements start fresh and pull their state from a peer's replica.
 
-``train()`` must build everything that holds a process group in each call (the model's
-DDP wrapper, the Checkpointer, whose own gloo group belongs to the old default group) and
-must not keep state across calls except through the Checkpointer.
+``train()`` must build everything that holds a process group in each call (DDP wrappers,
+the Checkpointer, whose own gloo group belongs to the old default group); the model and
+optimizer may live across calls, since restore rolls their values back.
 
 Where in-process recovery cannot work (no supervisor store, the store is gone, the
 generation does not move) `run` raises `InProcessError`, saying to run without
@@ -107,7 +113,7 @@ def run(train: Callable[[], T], *, timeout_s: float = 60.0, wait_s: float = WAIT
         # each generation is reported again.
         faults.new_attempt(generation)
         faults.event("init_start", generation=generation)
-        abort.begin()
+        abort.begin(generation)
         watcher.watch(generation)
         try:
             with abort.tracking():
@@ -173,7 +179,7 @@ class _Watcher(threading.Thread):
             except Exception:  # the store is gone: there is no recovery to watch for
                 return
             self.done = g
-            faults.event("abort", generation=g, connections=abort.shutdown())
+            faults.event("abort", generation=g, connections=abort.shutdown(g))
 
 
 def _abandon(generation: int) -> None:

@@ -299,8 +299,10 @@ class Timeline:
         process group was ready again, and every rank had completed a step again."""
         out = []
         events = sorted(self.events, key=lambda e: e["t"])
-        for fault in (e for e in events if e["event"] == "fault"):
+        faults = [e for e in events if e["event"] == "fault"]
+        for i, fault in enumerate(faults):
             t = fault["t"]
+            until = faults[i + 1]["t"] if i + 1 < len(faults) else float("inf")
             detected = next(
                 (
                     e
@@ -316,7 +318,10 @@ class Timeline:
                 for e in events
                 if e["event"] == "process_start"
             }
-            new = {pid for pid, start in starts.items() if start > t}
+            # Before the next fault, unless both struck before any restart.
+            new = {pid for pid, start in starts.items() if t < start < until} or {
+                pid for pid, start in starts.items() if start > t
+            }
             ready = [e["t"] for e in events if e["event"] == "init_done" and e["pid"] in new]
             firsts = [e for e in events if e["event"] == "first_step" and e["pid"] in new]
             rec: dict[str, Any] = {
@@ -537,6 +542,8 @@ class Launch:
         self.agents.append(replacement)
         self.timeline.add("node_replaced", f"replacement agent for node {node} started", node=node)
 
+    AFTER_KILL = "torchrun restarts the workers"  # what follows a watchdog kill
+
     def lose_memory(self, node: int) -> str:
         """Take ``node``'s shared memory away from it, as a lost machine's is: the
         directory is renamed at once (a replacement finds it empty); the caller deletes
@@ -583,7 +590,7 @@ class Launch:
             self.timeline.add(
                 "hang_detected",
                 f"rank {rank} (pid {pid}) made no progress for {now - t:.1f} s "
-                f"(last step {step}): SIGKILL, torchrun restarts the workers",
+                f"(last step {step}): SIGKILL, {self.AFTER_KILL}",
                 rank=rank,
                 pid=pid,
                 step=step,

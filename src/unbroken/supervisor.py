@@ -6,10 +6,13 @@ of ``--simulate-nodes N`` simulated nodes, or one node), and hosts a TCPStore th
 outlives them all, holding a generation counter. When a worker dies (it crashed, the
 heartbeat watchdog killed it as hung, or a kill-node fault took its whole node and its
 shared memory), the supervisor bumps the generation and respawns only the dead ranks, with
-the same rank numbers. The healthy ranks' collectives fail as the dead peer's sockets
-close; `unbroken.inprocess.run` catches that, joins the new generation's process group and
-runs ``train()`` again in the same process, restoring from its own shared memory, while
-the replacements pull theirs from peer replicas.
+the same rank numbers. Before that it sets ``unbroken/abort-<g>`` in the store: the
+healthy ranks abort the generation's process groups, so their collectives fail at once
+even where gloo would wait for its timeout; `unbroken.inprocess.run` catches that, joins
+the new generation's process group and runs ``train()`` again in the same process,
+restoring from its own shared memory, while the replacements pull theirs from peer
+replicas. Spares used, and the memory of a killed node, are replaced and freed once every
+rank has completed a step again: both take CPU the recovery needs.
 
 ``--warm-spare`` keeps one standby process per node that has already imported torch and
 waits on the store for a rank to take over, so a replacement skips the interpreter start
@@ -189,6 +192,8 @@ class InProcessTimeline(Timeline):
 class Supervisor(Launch):
     """Reuses the launcher's heartbeat watchdog, event reading and kill-node requests;
     replaces its agents with one process per rank."""
+
+    AFTER_KILL = "the supervisor replaces that rank only"
 
     def __init__(self, p: Plan, targs: argparse.Namespace, heartbeat_dir: str) -> None:
         super().__init__(p, heartbeat_dir)
@@ -451,10 +456,10 @@ class Supervisor(Launch):
         for w in doomed:
             assert w.proc is not None
             kill_tree(w.proc.pid)
+        self.abort(sorted(w.rank for w in doomed))  # the healthy ranks go ahead meanwhile
         for w in doomed:
             assert w.proc is not None
             w.proc.wait()
-        self.abort(sorted(w.rank for w in doomed))
         self.lost.append(self.lose_memory(node))
         self.timeline.add(
             "node_killed",
