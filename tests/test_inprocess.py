@@ -218,3 +218,27 @@ def test_killed_node_is_replaced_from_replicas_in_process_bitwise(tmp_path, refe
     rec = check_recovery(run, f"kill-node node=1 step={step}", step)
     assert rec["detected_by"] == "node_kill_requested"
     print(f"\nkill-node: {json.dumps(rec)}\nrun {run['seconds']:.1f} s")
+
+
+@pytest.mark.timeout(60)
+def test_hung_rank_is_found_and_replaced_in_process_bitwise(tmp_path, reference):
+    """Both ranks stop making progress (rank 1 waits for rank 0 in a collective); the
+    supervisor aborts the generation, rank 1 answers, and only silent rank 0 is replaced."""
+    step = 11
+    run = launch(
+        tmp_path,
+        "--nproc-per-node=2",
+        "--heartbeat-timeout=3",
+        f"--inject-fault=hang rank=0 step={step}",
+    )
+    assert run["params"] == reference["params"]
+    first, again = starts_of(run, 1)
+    assert first["pid"] == again["pid"], "the waiting rank kept its process"
+    old, new = starts_of(run, 0)
+    assert old["pid"] != new["pid"] and new["generation"] == 1
+    [rec] = run["timeline"]["recoveries"]
+    assert rec["detected_by"] == "hang_detected" and rec["respawned"] == [0]
+    hung = [e for e in run["timeline"]["events"] if e["event"] == "hung"]
+    assert [e["rank"] for e in hung] == [0]
+    # Detected once the heartbeat is 3 s old, not at the collective's 30 s timeout.
+    assert rec["detected_t"] - rec["fault_t"] < 3 + 2

@@ -584,22 +584,26 @@ class Launch:
             elif self.timeout and now - t > self.timeout and pid not in self.killed_pids:
                 stale.append((step, t, rank, pid))
         if stale and time.monotonic() - self.last_kill > self.timeout:
-            # The rank furthest behind is the hung one; the others wait for it in a
-            # collective. Killing one worker is enough: torchrun restarts them all.
-            step, t, rank, pid = min(stale)
-            self.timeline.add(
-                "hang_detected",
-                f"rank {rank} (pid {pid}) made no progress for {now - t:.1f} s "
-                f"(last step {step}): SIGKILL, {self.AFTER_KILL}",
-                rank=rank,
-                pid=pid,
-                step=step,
-                idle_s=round(now - t, 3),
-            )
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            self.killed_pids.add(pid)
-            self.last_kill = time.monotonic()
+            self.on_hang(stale, now)
+
+    def on_hang(self, stale: list[tuple[int, float, int, int]], now: float) -> None:
+        """``stale``: (last step, last beat, rank, pid) of each rank past the timeout."""
+        # The rank furthest behind is the hung one; the others wait for it in a
+        # collective. Killing one worker is enough: torchrun restarts them all.
+        step, t, rank, pid = min(stale)
+        self.timeline.add(
+            "hang_detected",
+            f"rank {rank} (pid {pid}) made no progress for {now - t:.1f} s "
+            f"(last step {step}): SIGKILL, {self.AFTER_KILL}",
+            rank=rank,
+            pid=pid,
+            step=step,
+            idle_s=round(now - t, 3),
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self.killed_pids.add(pid)
+        self.last_kill = time.monotonic()
 
 
 def main(argv: list[str]) -> int:

@@ -194,6 +194,7 @@ class Supervisor(Launch):
     replaces its agents with one process per rank."""
 
     AFTER_KILL = "the supervisor replaces that rank only"
+    PROBE_S = 1.0  # how long ranks have to answer an abort after a hang (ms if alive)
 
     def __init__(self, p: Plan, targs: argparse.Namespace, heartbeat_dir: str) -> None:
         super().__init__(p, heartbeat_dir)
@@ -214,6 +215,7 @@ class Supervisor(Launch):
         self.scanned = 0
         self.spares_owed = 0
         self.lost: list[str] = []  # shared memory of killed nodes, to delete
+        self.probing: tuple[int, float] | None = None  # after a hang: generation, deadline
 
     # -- processes
 
@@ -337,6 +339,7 @@ class Supervisor(Launch):
             self.watch()
             if not self.stopping:
                 self.check_workers()
+                self.probe()
                 self.replenish()
             live = [w for w in self.workers.values() if w.proc and w.proc.poll() is None]
             if not live and (self.stopping or all(w.done for w in self.workers.values())):
@@ -354,6 +357,59 @@ class Supervisor(Launch):
             _say(self.failure)
         self.timeline.add("done", f"done, exit code {code}", exit_code=code)
         return code
+
+    def on_hang(self, stale: list[tuple[int, float, int, int]], now: float) -> None:
+        """A hang cannot be pinned on a rank from outside: every rank waiting for it in a
+        collective stops making progress too, and heartbeats are sampled. So abort the
+        generation first: ranks that answer (their collectives fail, they say so) are
+        alive; `probe` replaces those that stay silent."""
+        if self.probing is not None:
+            return
+        ranks = sorted(rank for _, _, rank, _ in stale)
+        idle = max(now - t for _, t, _, _ in stale)
+        self.timeline.add(
+            "hang_detected",
+            f"ranks {ranks} made no progress for {idle:.1f} s: aborting generation "
+            f"{self.generation} to find the hung one(s)",
+            ranks=ranks,
+            idle_s=round(idle, 3),
+        )
+        self.abort([])
+        self.probing = (self.generation, time.monotonic() + self.PROBE_S)
+        self.last_kill = time.monotonic()
+
+    def probe(self) -> None:
+        """After `on_hang`: kill the ranks that did not answer the abort in time, which
+        `check_workers` then replaces; if every rank answered (a collective that could
+        never complete), start a new generation with all of them."""
+        if self.probing is None:
+            return
+        generation, deadline = self.probing
+        answered = {
+            e["rank"]
+            for e in self.timeline.events
+            if e["event"] == "peer_failure" and e.get("generation") == generation
+        }
+        live = {w.rank: w for w in self.workers.values() if w.proc and w.proc.poll() is None}
+        silent = sorted(set(live) - answered)
+        if silent and time.monotonic() < deadline:
+            return
+        self.probing = None
+        self.last_kill = time.monotonic()
+        for rank in silent:
+            proc = live[rank].proc
+            assert proc is not None
+            self.timeline.add(
+                "hung",
+                f"rank {rank} (pid {proc.pid}) did not answer the abort: SIGKILL, "
+                f"{self.AFTER_KILL}",
+                rank=rank,
+                pid=proc.pid,
+            )
+            kill_tree(proc.pid)
+            self.killed_pids.add(proc.pid)
+        if not silent:
+            self.recover([])
 
     def replenish(self) -> None:
         """Once every rank completed a step in the new generation, replace the spares
