@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -165,10 +166,10 @@ def starts_of(run: dict, rank: int) -> list[dict]:
     )
 
 
-def check_recovery(run: dict, fault: str, step: int) -> dict:
+def check_recovery(run: dict, fault: str, step: int, replaced: int = 1) -> dict:
     [rec] = run["timeline"]["recoveries"]
     assert rec["fault"] == fault and rec["fault_step"] == step
-    assert rec["generation"] == 1 and rec["respawned"] == [1]
+    assert rec["generation"] == 1 and rec["respawned"] == [replaced]
     order = ["fault_t", "detected_t", "respawn_t", "ready_t", "restored_t", "first_step_t"]
     times = [rec[k] for k in order]
     assert None not in times and times == sorted(times), rec
@@ -180,20 +181,22 @@ def check_recovery(run: dict, fault: str, step: int) -> dict:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("spare", [False, True], ids=["cold", "warm-spare"])
 def test_killed_rank_is_replaced_in_process_bitwise(tmp_path, reference, spare):
-    step = 11
-    options = ["--nproc-per-node=2", f"--inject-fault=kill rank=1 step={step}"]
+    rng = random.Random()
+    victim, step = rng.randint(0, 1), rng.randint(3, STEPS - 2)
+    fault = f"kill rank={victim} step={step}"
+    options = ["--nproc-per-node=2", f"--inject-fault={fault}"]
     run = launch(tmp_path, *options, *(["--warm-spare"] if spare else []))
-    assert run["params"] == reference["params"]
-    first, again = starts_of(run, 0)
+    assert run["params"] == reference["params"], fault
+    first, again = starts_of(run, 1 - victim)
     assert first["pid"] == again["pid"], "the healthy rank kept its process"
     assert (again["seen_generation"], again["restored"], again["source"]) == (1, step - 1, "memory")
-    old, new = starts_of(run, 1)
+    old, new = starts_of(run, victim)
     assert old["pid"] != new["pid"] and new["generation"] == 1
     assert (new["restored"], new["source"]) == (step - 1, "memory")  # its own, same node
-    rec = check_recovery(run, f"kill rank=1 step={step}", step)
+    rec = check_recovery(run, fault, step, replaced=victim)
     assert rec["detected_by"] == "worker_exit"
     assert rec["warm_spares"] == int(spare)
-    print(f"\nkill: {json.dumps(rec)}\nrun {run['seconds']:.1f} s")
+    print(f"\n{fault}: {json.dumps(rec)}\nrun {run['seconds']:.1f} s")
 
 
 @pytest.mark.timeout(60)
