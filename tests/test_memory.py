@@ -165,8 +165,12 @@ def test_snapshot_needs_memory_on():
         Checkpointer("/tmp/unused-unbroken").snapshot(1, {})
 
 
-def _ranks_job(rank: int, world: int, path: str, shm: str) -> tuple[int | None, list[float]]:
-    ckpt = unbroken.Checkpointer(path, memory=True, memory_dir=shm, job="dist")
+def _ranks_job(
+    rank: int, world: int, path: str, shm: str, reads: str
+) -> tuple[int | None, list[float]]:
+    ckpt = unbroken.Checkpointer(
+        path, memory=True, memory_dir=shm, job="dist", replicated_reads=reads
+    )
     state = {"w": torch.full((4,), float(rank))}
     ckpt.snapshot(1, state)
     state["w"] += 1
@@ -179,8 +183,11 @@ def _ranks_job(rank: int, world: int, path: str, shm: str) -> tuple[int | None, 
     return step, state["w"].tolist()
 
 
-def test_ranks_restore_the_newest_step_every_rank_holds(tmp_path):
-    results = run_ranks(_ranks_job, str(tmp_path / "ckpt"), str(tmp_path / "shm"))
+@pytest.mark.parametrize("reads", ["each", "broadcast"])
+def test_ranks_restore_the_newest_step_every_rank_holds(tmp_path, reads):
+    # Each rank's values are its own: from memory, none is broadcast from rank 0's copy,
+    # whatever replicated_reads says for storage.
+    results = run_ranks(_ranks_job, str(tmp_path / "ckpt"), str(tmp_path / "shm"), reads)
     assert results == [(1, [0.0] * 4), (1, [1.0] * 4)]
 
 

@@ -1,10 +1,11 @@
 """Tier 1 traffic: sending snapshots to the peers that keep replicas of them, and bringing
-a lost rank's snapshot back from a peer at restore.
+a lost rank's snapshot back from a peer at restore, straight into its tensors.
 
-Both are collective on the checkpointer's own gloo group: every rank computes the same
-plan from the same gathered table, then all point-to-point transfers of that plan go out
-in one batch (no ordering between pairs to deadlock on). Bytes travel straight from one
-shared-memory slot into another.
+Both run on the checkpointer's own gloo group: every rank computes the same plan from the
+same gathered table, then all point-to-point transfers of that plan go out in one batch
+(no ordering between pairs to deadlock on). Replication copies one shared-memory slot
+into another; at restore the bytes go block by block from the peer's slot into the lost
+rank's live tensors, while the other ranks read their own memory.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from unbroken.dist import Comm
-from unbroken.memory import MemoryTier, Slots
+from unbroken.format import Chunk, Manifest
+from unbroken.memory import MemoryTier
 
 
 def replicate(comm: Comm, memory: MemoryTier, step: int, to: list[int], sources: list[int]) -> None:
@@ -32,48 +34,68 @@ def replicate(comm: Comm, memory: MemoryTier, step: int, to: list[int], sources:
         slot, buffer = slots.begin(sizes[owner][1])
         ops += [_op(dist.irecv, got_header, owner, comm), _op(dist.irecv, buffer, owner, comm)]
         arriving.append((slots, slot, got_header))
-    _run(ops)
+    wait(_start(ops))
     for slots, slot, got_header in arriving:
         slots.publish(slot, got_header.numpy().tobytes().decode())
     comm.together(f"replicating step {step}", lambda: None)
 
 
-def recover(comm: Comm, memory: MemoryTier, step: int, holders: dict[int, list[int]]) -> None:
-    """Bring ``step`` back to every rank whose own copy is gone, from the lowest rank in
-    ``holders[r]`` (the ranks holding a replica of rank r at ``step``)."""
-    plan = {r: min(q) for r, q in sorted(holders.items())}  # lost rank -> provider
-    offers = {}
-    for lost, provider in plan.items():
+def manifests(comm: Comm, memory: MemoryTier, step: int, plan: dict[int, int]) -> str | None:
+    """``plan`` maps each rank whose own copy of ``step`` is gone to the rank that holds
+    its replica. Every provider publishes the replicas' manifests; returns this rank's
+    (JSON), if it is one of the lost. Collective."""
+    offers = {
+        str(lost): memory.replica(lost).raw(step)[0]
+        for lost, provider in plan.items()
+        if provider == comm.rank
+    }
+    published = comm.all_gather(offers)
+    if comm.rank not in plan:
+        return None
+    text: str = published[plan[comm.rank]][str(comm.rank)]
+    return text
+
+
+def send(comm: Comm, memory: MemoryTier, step: int, plan: dict[int, int]) -> list[dist.Work]:
+    """Start sending, block by block, the replicas this rank provides under ``plan``."""
+    ops = []
+    for lost, provider in sorted(plan.items()):
         if provider == comm.rank:
             text, data = memory.replica(lost).raw(step)
-            offers[lost] = (torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8), data)
-    sizes = comm.all_gather({str(r): [h.numel(), d.numel()] for r, (h, d) in offers.items()})
+            for _, chunk in blocks(Manifest.from_json(text.encode(), memory.replica(lost).dir)):
+                ops.append(_op(dist.isend, data[chunk.start : chunk.end], lost, comm))
+    return _start(ops)
+
+
+def receive(
+    comm: Comm, manifest: Manifest, provider: int, into: dict[str, torch.Tensor]
+) -> list[dist.Work]:
+    """Start receiving this rank's replica from ``provider``, block by block, straight
+    into ``into[key]`` (a byte tensor of the block's size), or a scratch buffer for the
+    blocks nobody wants."""
     ops = []
-    for lost, (header, data) in offers.items():
-        ops += [_op(dist.isend, header, lost, comm), _op(dist.isend, data, lost, comm)]
-    arriving: tuple[Slots, int, torch.Tensor] | None = None
-    if comm.rank in plan:
-        provider = plan[comm.rank]
-        n_header, n_data = sizes[provider][str(comm.rank)]
-        got_header = torch.empty(n_header, dtype=torch.uint8)
-        slot, buffer = memory.own.begin(n_data)
-        ops += [
-            _op(dist.irecv, got_header, provider, comm),
-            _op(dist.irecv, buffer, provider, comm),
-        ]
-        arriving = (memory.own, slot, got_header)
-    _run(ops)
-    if arriving is not None:
-        slots, slot, got_header = arriving
-        slots.publish(slot, got_header.numpy().tobytes().decode())
-    comm.together(f"recovering step {step} from replicas", lambda: None)
+    for key, chunk in blocks(manifest):
+        target = into.get(key)
+        if target is None:
+            target = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        ops.append(_op(dist.irecv, target, provider, comm))
+    return _start(ops)
+
+
+def blocks(manifest: Manifest) -> list[tuple[str, Chunk]]:
+    """The blocks of a snapshot, in the order both ends of a transfer use."""
+    found = [(key, entry.chunks[0]) for key, entry in manifest.tensors.items()]
+    return sorted(((k, c) for k, c in found if c.nbytes), key=lambda kc: kc[1].start)
+
+
+def wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _start(ops: list[dist.P2POp]) -> list[dist.Work]:
+    return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
 def _op(kind: object, tensor: torch.Tensor, peer: int, comm: Comm) -> dist.P2POp:
     return dist.P2POp(kind, tensor, group=comm.group, group_peer=peer)  # type: ignore[arg-type]
-
-
-def _run(ops: list[dist.P2POp]) -> None:
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()

@@ -48,7 +48,8 @@ def restore(
 
     memory = ckpt._memory
     rejected: set[int] = set()  # steps whose copy in memory failed a checksum somewhere
-    storage: Storage
+    storage: Storage | None  # None: this rank's bytes come from a peer's replica
+    plan: dict[int, int] = {}  # ranks whose copy comes from a peer -> that peer
     while True:
         in_memory = _in_memory(ckpt, rejected)
 
@@ -73,20 +74,27 @@ def restore(
             where = f"{ckpt.path}/{folder}"
             break
         assert memory is not None
-        if in_memory[chosen]:
-            replicas.recover(comm, memory, chosen, in_memory[chosen])
-            log.info(
-                "step %d recovered from peer replicas for ranks %s",
-                chosen,
-                sorted(in_memory[chosen]),
-            )
-        # Only the chosen copy is checksummed, once here and once as it is read: no pass
-        # over the copies that are not used.
-        intact = comm.all_gather(memory.own.intact(chosen))
+        plan = {r: min(q) for r, q in sorted(in_memory[chosen].items())}  # lost -> provider
+        # Only the copies to be used are checksummed, once, here (a provider checks the
+        # replica it will send): no pass over the others, and none again on reading.
+        checks = [memory.replica(r).intact(chosen) for r, p in plan.items() if p == comm.rank]
+        if comm.rank not in plan:
+            checks.append(memory.own.intact(chosen))
+        intact = comm.all_gather(all(checks))
         if all(intact):
-            manifest = memory.snapshots()[chosen]
-            storage, folder = LocalStorage(memory.dir), "."
             where = f"shared memory {memory.dir} (step {chosen})"
+            text = replicas.manifests(comm, memory, chosen, plan) if plan else None
+            if text is None:
+                manifest, storage = memory.snapshots()[chosen], LocalStorage(memory.dir)
+            else:  # this rank's copy is gone: its bytes come from plan[rank], not storage
+                manifest, storage, where = (
+                    Manifest.from_json(text.encode(), where),
+                    None,
+                    (f"the replica on rank {plan[comm.rank]} (step {chosen})"),
+                )
+            folder = "."
+            if plan:
+                log.info("step %d recovered from peer replicas for ranks %s", chosen, sorted(plan))
             log.info("restoring step %d from shared memory", chosen)
             break
         bad = [r for r, ok in enumerate(intact) if not ok]
@@ -106,7 +114,10 @@ def restore(
             optim.state.clear()  # as it was: nothing changes when a restore is refused
         raise
 
-    readers = _readers(comm, manifest, reads, ckpt.replicated_reads)
+    # Memory is read where it is: a rank's snapshot holds its own values, per-rank ones
+    # too, so nothing is broadcast from another rank's copy.
+    from_storage = storage is ckpt.storage
+    readers = _readers(comm, manifest, reads, ckpt.replicated_reads) if from_storage else {}
     buffers: dict[str, torch.Tensor] = {}
 
     def read() -> dict[str, torch.Tensor]:
@@ -132,12 +143,18 @@ def restore(
                 whole.append((key, entry, exact[0], region))
             else:
                 partial.append((key, entry, chunks, region, offsets))
+        if storage is None:
+            _receive(comm, manifest, plan[comm.rank], whole, partial)
+            return loaded
+        sending = replicas.send(comm, memory, chosen, plan) if memory and plan else []
         # Threads overlap one block's checksum (which holds the GIL) with the next
-        # block's read (which releases it), and keep several reads in flight.
-        read_many(storage, folder, whole, ckpt.io_threads)
+        # block's read (which releases it), and keep several reads in flight. A copy in
+        # memory was checksummed just before.
+        read_many(storage, folder, whole, ckpt.io_threads, verify=from_storage)
         with ThreadPoolExecutor(ckpt.io_threads) as pool:
             for done in pool.map(lambda job: fill(storage, folder, *job), partial):
                 del done
+        replicas.wait(sending)
         return loaded
 
     loaded = comm.together(f"reading step {chosen}", read)
@@ -170,6 +187,36 @@ def restore(
 
     comm.together(f"loading step {chosen} into the state", apply)
     return chosen
+
+
+def _receive(
+    comm: Comm, manifest: Manifest, provider: int, whole: list[Any], partial: list[Any]
+) -> None:
+    """Fill this rank's tensors from ``provider``'s replica of its snapshot: block by
+    block, straight into the live tensors where they are CPU, contiguous and of the
+    saved dtype, through a buffer otherwise; then check every block's checksum."""
+    into, staged = {}, []
+    for key, _, _, region in whole:
+        into[key] = region.reshape(-1).view(torch.uint8)
+    for key, entry, chunks, region, _ in partial:
+        buffer = torch.empty(chunks[0].shape, dtype=entry.torch_dtype)
+        if list(buffer.shape) != list(region.shape):
+            raise CheckpointError(
+                f"the replica on rank {provider}: tensor {key!r} has shape {chunks[0].shape}, "
+                f"this rank's is {list(region.shape)}"
+            )
+        into[key] = buffer.reshape(-1).view(torch.uint8)
+        staged.append((key, chunks[0], buffer, region))
+    replicas.wait(replicas.receive(comm, manifest, provider, into))
+    expected = dict(replicas.blocks(manifest))
+    for key, data in into.items():
+        chunk = expected.get(key)
+        if chunk is not None and checksum(byte_view(data)) != chunk.xxh3:
+            raise CorruptCheckpointError(
+                f"the replica on rank {provider}: tensor {key!r} fails its checksum on arrival"
+            )
+    for _, _, buffer, region in staged:
+        region.copy_(buffer)
 
 
 def _in_memory(ckpt: Checkpointer, rejected: set[int]) -> dict[int, dict[int, list[int]]]:
@@ -242,12 +289,13 @@ def _check(
     comm: Comm,
     state: Mapping[str, Any],
     manifest: Manifest,
-    storage: Storage,
+    storage: Storage | None,
     folder: str,
     where: str,
     strict: bool,
 ) -> tuple[dict[str, Any], list[Any]]:
-    """Check everything a restore will touch, and list the reads it needs."""
+    """Check everything a restore will touch, and list the reads it needs. ``storage``
+    None: the bytes come from a peer, which checked its copy."""
     if manifest.world_size != comm.world_size:
         raise CheckpointError(
             f"{where} was saved by {manifest.world_size} ranks and this job has "
@@ -289,6 +337,8 @@ def _check(
             files.update(c.file for c in chunks)
             reads.append((key, dest, region, offsets, chunks))
     for file in sorted(files):
+        if storage is None:
+            break
         try:
             size = storage.size(f"{folder}/{file}")
         except FileNotFoundError:

@@ -83,15 +83,16 @@ def write_blocks(
 
 def read_chunk(
     storage: Storage, folder: str, key: str, entry: TensorEntry, chunk: Chunk,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, verify: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """Read ``chunk`` into ``out`` (a contiguous CPU tensor of its dtype and shape, or a new
-    one) and verify its checksum."""
+    one) and verify its checksum (``verify=False``: the caller just verified the source)."""
     if out is None:
         out = torch.empty(chunk.shape, dtype=entry.torch_dtype)
     view = byte_view(out)
     _read(storage, folder, key, chunk.file, chunk.start, view)
-    _verify(folder, key, chunk, view)
+    if verify:
+        _verify(folder, key, chunk, view)
     return out
 
 
@@ -123,9 +124,11 @@ GROUP_BYTES = 16 << 20
 def read_many(
     storage: Storage, folder: str,
     items: Sequence[tuple[str, TensorEntry, Chunk, torch.Tensor]], threads: int,
+    verify: bool = True,
 ) -> None:  # fmt: skip
     """Read whole chunks into ``out`` tensors (contiguous, CPU, the chunk's dtype and
-    shape), verifying each; runs of small neighbouring chunks go in one request."""
+    shape), verifying each unless ``verify=False``; runs of small neighbouring chunks go
+    in one request."""
     ordered = sorted(items, key=lambda item: (item[2].file, item[2].start))
     jobs: list[list[tuple[str, TensorEntry, Chunk, torch.Tensor]]] = []
     for item in ordered:
@@ -146,7 +149,7 @@ def read_many(
     def run(group: list[tuple[str, TensorEntry, Chunk, torch.Tensor]]) -> None:
         if len(group) == 1:
             key, entry, chunk, out = group[0]
-            read_chunk(storage, folder, key, entry, chunk, out=out)
+            read_chunk(storage, folder, key, entry, chunk, out=out, verify=verify)
             return
         first = group[0][2]
         data = bytearray(group[-1][2].end - first.start)
@@ -154,7 +157,8 @@ def read_many(
         for key, _, chunk, out in group:
             view = byte_view(out)
             view[:] = data[chunk.start - first.start : chunk.end - first.start]
-            _verify(folder, key, chunk, view)
+            if verify:
+                _verify(folder, key, chunk, view)
 
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for done in pool.map(run, jobs):
