@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -166,7 +166,7 @@ def test_snapshot_needs_memory_on():
 
 
 def _ranks_job(
-    rank: int, world: int, path: str, shm: str, reads: str
+    rank: int, world: int, path: str, shm: str, reads: Literal["each", "broadcast"]
 ) -> tuple[int | None, list[float]]:
     ckpt = unbroken.Checkpointer(
         path, memory=True, memory_dir=shm, job="dist", replicated_reads=reads
