@@ -581,10 +581,19 @@ class Launch:
                     pid=pid,
                     step=step,
                 )
-            elif self.timeout and now - t > self.timeout and pid not in self.killed_pids:
+            elif (
+                self.timeout
+                and now - self.since(t, attempt) > self.timeout
+                and pid not in self.killed_pids
+            ):
                 stale.append((step, t, rank, pid))
         if stale and time.monotonic() - self.last_kill > self.timeout:
             self.on_hang(stale, now)
+
+    def since(self, beat: float, attempt: int) -> float:
+        """When a rank whose last heartbeat was at ``beat`` in ``attempt`` last showed
+        it was making progress."""
+        return beat
 
     def on_hang(self, stale: list[tuple[int, float, int, int]], now: float) -> None:
         """``stale``: (last step, last beat, rank, pid) of each rank past the timeout."""

@@ -206,6 +206,7 @@ class Supervisor(Launch):
         self.local = p.nproc_per_node
         self.world = self.nodes * self.local
         self.generation = 0
+        self.generation_t = 0.0  # when it started (wall clock, as heartbeats)
         self.recoveries = 0
         self.workers: dict[int, Worker] = {}
         self.spares: list[tuple[str, subprocess.Popen[bytes]]] = []
@@ -358,6 +359,21 @@ class Supervisor(Launch):
         self.timeline.add("done", f"done, exit code {code}", exit_code=code)
         return code
 
+    def since(self, beat: float, attempt: int) -> float:
+        """A healthy rank that has not ticked in the current generation yet waits for
+        the replacements: its clock starts once every rank has started the generation,
+        or, if one takes longer than a heartbeat timeout to start, after that."""
+        if attempt >= self.generation:
+            return beat
+        started = [
+            e["t"]
+            for e in self.timeline.events
+            if e["event"] == "init_start" and e.get("attempt") == self.generation
+        ]
+        if len(started) >= self.world:
+            return max(beat, self.timeline.t0 + max(started))
+        return max(beat, self.generation_t + self.timeout)
+
     def on_hang(self, stale: list[tuple[int, float, int, int]], now: float) -> None:
         """A hang cannot be pinned on a rank from outside: every rank waiting for it in a
         collective stops making progress too, and heartbeats are sampled. So abort the
@@ -480,6 +496,7 @@ class Supervisor(Launch):
         self.recoveries += 1
         self.abort(ranks)
         self.generation = int(self.store.add(GENERATION_KEY, 1))
+        self.generation_t = time.time()
         self.timeline.add(
             "generation",
             f"generation {self.generation}: replacing ranks {ranks}; the others stay",
