@@ -185,8 +185,10 @@ class _Watcher(threading.Thread):
 def _abandon(generation: int) -> None:
     """Give up the failed generation without waiting on any peer: shut its connections
     down (peers blocked on this rank fail at once instead of at their timeout), let the
-    Checkpointers' background work end, and destroy the groups."""
+    Checkpointers' background work end, and unregister the groups."""
     import gc
+
+    from torch.distributed import distributed_c10d
 
     from unbroken.checkpointer import abandon_all
 
@@ -194,8 +196,21 @@ def _abandon(generation: int) -> None:
     busy = abandon_all(timeout=2.0)
     if busy:
         faults.event("abandon_slow", generation=generation, checkpointers=busy)
+    # The failed groups are kept, never destroyed: destroying a gloo group whose worker
+    # is still disposing of a failed operation deadlocks (the worker holds the group's
+    # lock and waits for the GIL, which the destroying thread holds), and one with an
+    # operation stuck until its timeout blocks. A kept group costs two idle threads.
+    _keep_forever(list(distributed_c10d._world.pg_map))
     _teardown()
-    gc.collect()  # the old generation's model, optimizer and groups, held in cycles
+    gc.collect()  # the old generation's model, optimizer and DDP reducers, in cycles
+
+
+def _keep_forever(objects: list[Any]) -> None:
+    """Make sure ``objects`` are never deallocated, not even at interpreter exit."""
+    import ctypes
+
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _connect(timeout_s: float) -> Any:
