@@ -462,7 +462,7 @@ def _wait(pending: list[Future[Any]], what: str) -> None:
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
-def abandon_all(timeout: float = 30.0) -> list[str]:
+def abandon_all(timeout: float) -> list[str]:
     """`Checkpointer._abandon` every open checkpointer of this process (in-process
     recovery, after its groups were aborted); those still busy after ``timeout``."""
     return [repr(c) for c in list(_live) if not c._abandon(timeout)]

@@ -341,6 +341,14 @@ class Timeline:
             out.append(rec)
         return out
 
+    def phases(self, r: dict[str, Any]) -> list[tuple[str, str]]:
+        """The summary's lines between detection and recovery: (time key, what)."""
+        return [
+            ("restart_t", "workers restarted (process start)"),
+            ("ready_t", "process group ready"),
+            ("first_step_t", f"first step after restart: step {r['first_step']}"),
+        ]
+
     def to_json(self, exit_code: int) -> dict[str, Any]:
         return {
             "t0": self.t0,
@@ -349,8 +357,10 @@ class Timeline:
             "recoveries": self.recoveries(),
         }
 
+    TITLE = "timeline (seconds since launch):"
+
     def summary(self) -> str:
-        lines = ["timeline (seconds since launch):"]
+        lines = [self.TITLE]
         for r in self.recoveries():
 
             def at(key: str, r: dict[str, Any] = r) -> str:
@@ -359,9 +369,7 @@ class Timeline:
             lines += [
                 f"  {at('fault_t')}  fault: {r['fault']} at step {r['fault_step']}",
                 f"  {at('detected_t')}  detected ({r['detected_by']})",
-                f"  {at('restart_t')}  workers restarted (process start)",
-                f"  {at('ready_t')}  process group ready",
-                f"  {at('first_step_t')}  first step after restart: step {r['first_step']}",
+                *(f"  {at(key)}  {what}" for key, what in self.phases(r)),
             ]
             if "recovery_s" in r:
                 lines.append(

@@ -116,11 +116,12 @@ class Slots:
                 found[manifest.step] = (slot, manifest)
         return found
 
-    def intact(self, step: int) -> bool:
-        """Whether the slot holding ``step`` matches every checksum of its manifest."""
+    def intact(self, step: int) -> Manifest | None:
+        """The manifest of the slot holding ``step`` if every block matches its
+        checksum, else None."""
         held = self.whole().get(step)
         if held is None:
-            return False
+            return None
         slot, manifest = held
         buffer = self._buffers.get(slot)
         buffer = buffer if buffer is not None else self._map(slot)
@@ -129,8 +130,8 @@ class Slots:
             if checksum(byte_view(buffer[chunk.start : chunk.end])) != chunk.xxh3:
                 where = self._path(slot, "bin")
                 log.warning("ignoring %s: tensor %r fails its checksum", where, key)
-                return False
-        return True
+                return None
+        return manifest
 
     def _load(self, slot: int) -> Manifest | None:
         where = self._path(slot, "json")

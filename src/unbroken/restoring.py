@@ -78,21 +78,20 @@ def restore(
         # Only the copies to be used are checksummed, once, here (a provider checks the
         # replica it will send): no pass over the others, and none again on reading.
         checks = [memory.replica(r).intact(chosen) for r, p in plan.items() if p == comm.rank]
+        own = memory.own.intact(chosen) if comm.rank not in plan else None
         if comm.rank not in plan:
-            checks.append(memory.own.intact(chosen))
-        intact = comm.all_gather(all(checks))
+            checks.append(own)
+        intact = comm.all_gather(all(m is not None for m in checks))
         if all(intact):
-            where = f"shared memory {memory.dir} (step {chosen})"
-            text = replicas.manifests(comm, memory, chosen, plan) if plan else None
-            if text is None:
-                manifest, storage = memory.snapshots()[chosen], LocalStorage(memory.dir)
-            else:  # this rank's copy is gone: its bytes come from plan[rank], not storage
-                manifest, storage, where = (
-                    Manifest.from_json(text.encode(), where),
-                    None,
-                    (f"the replica on rank {plan[comm.rank]} (step {chosen})"),
-                )
             folder = "."
+            text = replicas.manifests(comm, memory, chosen, plan) if plan else None
+            if own is not None:
+                manifest, storage = own, LocalStorage(memory.dir)
+                where = f"shared memory {memory.dir} (step {chosen})"
+            else:  # this rank's copy is gone: its bytes come from plan[rank], not storage
+                assert text is not None
+                where = f"the replica on rank {plan[comm.rank]} (step {chosen})"
+                manifest, storage = Manifest.from_json(text.encode(), where), None
             if plan:
                 log.info("step %d recovered from peer replicas for ranks %s", chosen, sorted(plan))
             log.info("restoring step %d from shared memory", chosen)
@@ -195,28 +194,24 @@ def _receive(
     """Fill this rank's tensors from ``provider``'s replica of its snapshot: block by
     block, straight into the live tensors where they are CPU, contiguous and of the
     saved dtype, through a buffer otherwise; then check every block's checksum."""
-    into, staged = {}, []
-    for key, _, _, region in whole:
-        into[key] = region.reshape(-1).view(torch.uint8)
+    arriving = [(key, chunk, region, region) for key, _, chunk, region in whole]
     for key, entry, chunks, region, _ in partial:
-        buffer = torch.empty(chunks[0].shape, dtype=entry.torch_dtype)
-        if list(buffer.shape) != list(region.shape):
+        if chunks[0].shape != list(region.shape):
             raise CheckpointError(
                 f"the replica on rank {provider}: tensor {key!r} has shape {chunks[0].shape}, "
                 f"this rank's is {list(region.shape)}"
             )
-        into[key] = buffer.reshape(-1).view(torch.uint8)
-        staged.append((key, chunks[0], buffer, region))
+        buffer = torch.empty(chunks[0].shape, dtype=entry.torch_dtype)
+        arriving.append((key, chunks[0], buffer, region))
+    into = {key: data.reshape(-1).view(torch.uint8) for key, _, data, _ in arriving}
     replicas.wait(replicas.receive(comm, manifest, provider, into))
-    expected = dict(replicas.blocks(manifest))
-    for key, data in into.items():
-        chunk = expected.get(key)
-        if chunk is not None and checksum(byte_view(data)) != chunk.xxh3:
+    for key, chunk, data, region in arriving:
+        if checksum(byte_view(data)) != chunk.xxh3:
             raise CorruptCheckpointError(
                 f"the replica on rank {provider}: tensor {key!r} fails its checksum on arrival"
             )
-    for _, _, buffer, region in staged:
-        region.copy_(buffer)
+        if data is not region:
+            region.copy_(data)
 
 
 def _in_memory(ckpt: Checkpointer, rejected: set[int]) -> dict[int, dict[int, list[int]]]:
@@ -336,9 +331,9 @@ def _check(
             chunks = [c for c in entry.chunks if c.ranks is None or rank in c.ranks]
             files.update(c.file for c in chunks)
             reads.append((key, dest, region, offsets, chunks))
+    if storage is None:
+        return tree, reads
     for file in sorted(files):
-        if storage is None:
-            break
         try:
             size = storage.size(f"{folder}/{file}")
         except FileNotFoundError:

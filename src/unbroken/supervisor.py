@@ -161,32 +161,18 @@ class InProcessTimeline(Timeline):
             out.append(rec)
         return out
 
-    def summary(self) -> str:
-        lines = ["timeline (seconds since launch), in-process recovery:"]
-        for r in self.recoveries():
+    TITLE = "timeline (seconds since launch), in-process recovery:"
 
-            def at(key: str, r: dict[str, Any] = r) -> str:
-                return "   -   " if r[key] is None else f"{r[key]:7.2f}"
-
-            how = f"{r['warm_spares']} from warm spares" if r["warm_spares"] else "cold start"
-            lines += [
-                f"  {at('fault_t')}  fault: {r['fault']} at step {r['fault_step']}",
-                f"  {at('detected_t')}  detected ({r['detected_by']})",
-                f"  {at('noticed_t')}  a healthy rank aborted its groups",
-                f"  {at('respawn_t')}  generation {r['generation']}: ranks {r['respawned']} "
-                f"respawned ({how})",
-                f"  {at('ready_t')}  process group ready on every rank",
-                f"  {at('restored_t')}  restore done on every rank",
-                f"  {at('first_step_t')}  first step after recovery: step {r['first_step']}",
-            ]
-            if "recovery_s" in r:
-                lines.append(
-                    f"           recovery {r['recovery_s']:.2f} s from fault to first step; "
-                    f"{r['steps_redone']} step(s) redone"
-                )
-        if len(lines) == 1:
-            lines.append("  no fault was injected")
-        return "\n".join(lines)
+    def phases(self, r: dict[str, Any]) -> list[tuple[str, str]]:
+        how = f"{r['warm_spares']} from warm spares" if r["warm_spares"] else "cold start"
+        respawn = f"generation {r['generation']}: ranks {r['respawned']} respawned ({how})"
+        return [
+            ("noticed_t", "a healthy rank aborted its groups"),
+            ("respawn_t", respawn),
+            ("ready_t", "process group ready on every rank"),
+            ("restored_t", "restore done on every rank"),
+            ("first_step_t", f"first step after recovery: step {r['first_step']}"),
+        ]
 
 
 class Supervisor(Launch):
@@ -365,14 +351,19 @@ class Supervisor(Launch):
         or, if one takes longer than a heartbeat timeout to start, after that."""
         if attempt >= self.generation:
             return beat
-        started = [
-            e["t"]
-            for e in self.timeline.events
-            if e["event"] == "init_start" and e.get("attempt") == self.generation
-        ]
-        if len(started) >= self.world:
-            return max(beat, self.timeline.t0 + max(started))
+        started = self.reached("init_start", self.generation)
+        if len(started) == self.world:
+            return max(beat, self.timeline.t0 + max(started.values()))
         return max(beat, self.generation_t + self.timeout)
+
+    def reached(self, event: str, generation: int) -> dict[int, float]:
+        """The ranks that reported ``event`` in ``generation``, and when (last time,
+        seconds since launch)."""
+        found: dict[int, float] = {}
+        for e in self.timeline.events:
+            if e["event"] == event and e.get("attempt") == generation:
+                found[e["rank"]] = max(e["t"], found.get(e["rank"], e["t"]))
+        return found
 
     def on_hang(self, stale: list[tuple[int, float, int, int]], now: float) -> None:
         """A hang cannot be pinned on a rank from outside: every rank waiting for it in a
@@ -401,13 +392,9 @@ class Supervisor(Launch):
         if self.probing is None:
             return
         generation, deadline = self.probing
-        answered = {
-            e["rank"]
-            for e in self.timeline.events
-            if e["event"] == "peer_failure" and e.get("generation") == generation
-        }
+        answered = self.reached("peer_failure", generation)
         live = {w.rank: w for w in self.workers.values() if w.proc and w.proc.poll() is None}
-        silent = sorted(set(live) - answered)
+        silent = sorted(set(live) - set(answered))
         if silent and time.monotonic() < deadline:
             return
         self.probing = None
@@ -433,12 +420,7 @@ class Supervisor(Launch):
         the kernel freeing pages, takes CPU the recovery needs."""
         if not self.spares_owed and not self.lost:
             return
-        stepped = {
-            e["rank"]
-            for e in self.timeline.events
-            if e["event"] == "first_step" and e.get("attempt") == self.generation
-        }
-        if len(stepped) == self.world:
+        if len(self.reached("first_step", self.generation)) == self.world:
             for _ in range(self.spares_owed):
                 self.start_spare()
             for path in self.lost:
