@@ -73,7 +73,11 @@ def test_a_crashed_process_restores_from_memory_without_touching_storage(tmp_pat
     expected = torch.tensor(json.loads(run.stdout))
     state = _state(seed=5)
     del state["p"]
-    assert _ckpt(tmp_path).restore(state) == 3
+    ckpt = _ckpt(tmp_path)
+    assert ckpt.restore(state) == 3
+    assert ckpt.last_restore is not None and ckpt.last_restore.origin == unbroken.Origin(
+        "memory", 3
+    )
     assert torch.equal(state["model"][0].weight.flatten(), expected)
     assert len(state["optim"].state) == 4  # optimizer state came back too
     assert not (tmp_path / "ckpt").exists() or os.listdir(tmp_path / "ckpt") == []
@@ -142,7 +146,9 @@ def test_storage_wins_when_newer_memory_wins_when_newer(tmp_path):
     ckpt.snapshot(7, state)
     fresh = _state(seed=3)
     assert _ckpt(tmp_path).restore(fresh) == 7 and _equal(_weights(fresh), _weights(state))
-    assert _ckpt(tmp_path).restore(_state(), step=6) == 6  # an older step from storage
+    older = _ckpt(tmp_path)
+    assert older.restore(_state(), step=6) == 6  # an older step from storage
+    assert older.last_restore is not None and older.last_restore.origin.kind == "storage"
     assert (tmp_path / "ckpt" / step_dir(7)).exists() is False
 
 
@@ -240,8 +246,10 @@ def _node_loss_job(rank: int, world: int, root: str) -> dict:
         state = {"w": torch.zeros(1000), "p": unbroken.Progress(step=0)}
     replacement = make()
     restored = replacement.restore(state)
+    assert replacement.last_restore is not None
     return {
         "restored": restored,
+        "origins": [[o.kind, o.step, o.peer] for o in replacement.last_restore.origins],
         "equal": torch.equal(state["w"], expected),
         "progress": state["p"].step,
         "partner": replacement._replica_partners,
@@ -254,6 +262,9 @@ def test_a_lost_node_comes_back_from_peer_replicas(tmp_path):
     assert [r["restored"] for r in results] == [3, 3, 3, 3]
     assert all(r["equal"] and r["progress"] == 3 for r in results)
     assert [r["partner"] for r in results] == [[2], [3], [0], [1]]
+    # Every rank reads the same account: node 0 from its memory, node 1 from its partners.
+    origins = [["memory", 3, None], ["memory", 3, None], ["replica", 3, 0], ["replica", 3, 1]]
+    assert all(r["origins"] == origins for r in results)
     assert not any(r["storage"] for r in results)  # nothing came from storage
 
 

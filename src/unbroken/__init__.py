@@ -8,15 +8,18 @@
 
 from unbroken.checkpointer import Checkpointer, PendingSave
 from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.restoring import Origin, Restored
 from unbroken.state import Progress, RNGState, Stateful
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
     "CorruptCheckpointError",
+    "Origin",
     "PendingSave",
     "Progress",
     "RNGState",
+    "Restored",
     "Stateful",
 ]
 __version__ = "0.1.0"

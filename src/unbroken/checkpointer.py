@@ -167,6 +167,9 @@ class Checkpointer:
         self._failure: tuple[int, BaseException] | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # The outcome of the last `restore`: its step and where each rank's state came
+        # from (None: none yet, or it found nothing to restore).
+        self.last_restore: restoring.Restored | None = None
         _at_exit(self)
         _live.add(self)
 
@@ -372,11 +375,12 @@ class Checkpointer:
         rank before any byte of ``state`` changes. ``strict=False`` skips top-level
         entries and module parameters present on one side only. Saves still in the
         background are waited for first (a failure among them is still raised by the next
-        `save` or `wait`).
+        `save` or `wait`). Where each rank's state came from is then in `last_restore`.
         """
         self._drain()
         faults.event("restore_start")
-        restored = restoring.restore(self, state, step, strict)
+        self.last_restore = restoring.restore(self, state, step, strict)
+        restored = None if self.last_restore is None else self.last_restore.step
         faults.event("restore_done", step=restored)
         return restored
 

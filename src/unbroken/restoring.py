@@ -12,7 +12,8 @@ import json
 import logging
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -34,9 +35,34 @@ if TYPE_CHECKING:
 log = logging.getLogger("unbroken")
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where one rank's state came from: ``"storage"``, its own node's shared
+    ``"memory"``, or the ``"replica"`` of it that rank ``peer`` kept."""
+
+    kind: Literal["storage", "memory", "replica"]
+    step: int
+    peer: int | None = None
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a restore loaded: the step, and where each rank's state came from
+    (``origins[r]`` for rank r; the same on every rank)."""
+
+    step: int
+    origins: tuple[Origin, ...]
+    rank: int
+
+    @property
+    def origin(self) -> Origin:
+        """This rank's."""
+        return self.origins[self.rank]
+
+
 def restore(
     ckpt: Checkpointer, state: MutableMapping[str, Any], step: int | None, strict: bool
-) -> int | None:
+) -> Restored | None:
     comm = ckpt._comm
 
     requested = comm.all_gather(step)
@@ -185,7 +211,14 @@ def restore(
                 state[name] = value
 
     comm.together(f"loading step {chosen} into the state", apply)
-    return chosen
+    if from_storage:
+        origins = [Origin("storage", chosen)] * comm.world_size
+    else:
+        origins = [
+            Origin("replica", chosen, plan[r]) if r in plan else Origin("memory", chosen)
+            for r in range(comm.world_size)
+        ]
+    return Restored(step=chosen, origins=tuple(origins), rank=comm.rank)
 
 
 def _receive(
