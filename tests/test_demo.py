@@ -15,6 +15,7 @@ import torch
 
 from unbroken.demo import run
 from unbroken.demo.model import CharVocab, GPTConfig, ShardedBatches, TinyGPT, load_corpus
+from unbroken.run.procs import alive
 
 
 def test_corpus_ships_with_the_package_and_round_trips() -> None:
@@ -129,17 +130,9 @@ def testkill_tree_reaches_workers_in_their_own_sessions(tmp_path: Path) -> None:
     run.kill_tree(parent.pid)
     assert parent.wait(timeout=10) == -9
     deadline = time.monotonic() + 10
-    while _alive(worker):
+    while alive(worker):
         assert time.monotonic() < deadline, "the worker survived the kill"
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"  # a zombie is dead, just not yet reaped by its (new) parent
 
 
 def test_plot_without_matplotlib_fails_fast_with_a_hint(

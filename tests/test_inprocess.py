@@ -9,7 +9,6 @@ import os
 import random
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -18,115 +17,27 @@ import pytest
 STEPS = 24
 SAVE_EVERY = 10
 
-TRAIN = textwrap.dedent(
-    """
-    import argparse, json, logging, os, time
-
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
-
-    import unbroken
-    from unbroken import faults, inprocess
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--ckpt", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--save-every", type=int, required=True)
-    p.add_argument("--replicas", type=int, default=0)
-    args = p.parse_args()
-
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    messages = []  # the Checkpointer logs where it restored from
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-
-    logging.getLogger("unbroken").addHandler(Keep())
-    logging.getLogger("unbroken").setLevel(logging.INFO)
-
-
-    def train():
-        rank = dist.get_rank()
-        messages.clear()
-        torch.manual_seed(0)
-        model = DistributedDataParallel(
-            nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-        )
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        progress = unbroken.Progress(step=0)
-        state = {"model": model, "optim": optim, "progress": progress}
-        memory_dir = os.environ.get("UNBROKEN_MEMORY_DIR", "/dev/shm/unbroken")
-        ckpt = unbroken.Checkpointer(
-            args.ckpt, memory=True, memory_dir=memory_dir, replicas=args.replicas, timeout=60
-        )
-        restored = ckpt.restore(state)
-        source = None
-        if restored is not None:
-            if any("replica" in m for m in messages):
-                source = "replica"
-            elif any("shared memory" in m for m in messages):
-                source = "memory"
-            else:
-                source = "storage"
-        with open(os.path.join(args.out, "starts.jsonl"), "a") as f:
-            f.write(json.dumps({
-                "rank": rank,
-                "pid": os.getpid(),
-                "generation": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
-                "seen_generation": faults._get().attempt,
-                "node": os.environ.get("UNBROKEN_NODE"),
-                "restored": restored,
-                "source": source,
-                "replicas_for": [m for m in messages if "replica" in m],
-            }) + "\\n")
-        while progress.step < args.steps:
-            step = progress.step + 1
-            g = torch.Generator().manual_seed(1000 * step + rank)  # the data depends on the step
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            loss = (model(x) - y).pow(2).mean()
-            optim.zero_grad()
-            loss.backward()
-            optim.step()
-            progress.step = step
-            time.sleep(0.02)  # a step long enough for faults to land mid-run
-            faults.tick(step)
-            ckpt.snapshot(step, state)
-            if step % args.save_every == 0:
-                ckpt.save(step, state)
-        ckpt.close()
-        with open(os.path.join(args.out, f"final-{rank}.bin"), "wb") as f:
-            for t in model.state_dict().values():
-                f.write(t.numpy().tobytes())
-
-
-    inprocess.run(train, timeout_s=30)
-    """
-)
+TRAIN = Path(__file__).with_name("train_job.py")
 
 
 def launch(tmp: Path, *options: str, replicas: int = 0) -> dict:
-    """`python -m unbroken.launcher --in-process OPTIONS train.py`: its timeline, final
-    parameters, and the records each rank wrote at the start of each generation."""
+    """`python -m unbroken.run --in-process OPTIONS train_job.py --in-process`: its
+    timeline, final parameters, and the records each rank wrote at the start of each
+    generation (with the source of its state, see `source`)."""
     tmp.mkdir(parents=True, exist_ok=True)
-    script = tmp / "train.py"
-    script.write_text(TRAIN)
     out = tmp / "out"
     out.mkdir()
     timeline = tmp / "timeline.json"
     cmd = [
         sys.executable,
         "-m",
-        "unbroken.launcher",
+        "unbroken.run",
         "--in-process",
         f"--timeline-json={timeline}",
         *options,
         "--max-restarts=2",
-        str(script),
+        str(TRAIN),
+        "--in-process",
         f"--ckpt={tmp / 'ckpt'}",
         f"--out={out}",
         f"--steps={STEPS}",
@@ -147,8 +58,20 @@ def launch(tmp: Path, *options: str, replicas: int = 0) -> dict:
         "stderr": proc.stderr,
         "timeline": json.loads(timeline.read_text()),
         "params": [(out / f"final-{r}.bin").read_bytes() for r in range(2)],
-        "starts": [json.loads(line) for line in (out / "starts.jsonl").read_text().splitlines()],
+        "starts": [
+            start | {"generation": start["attempt"], "source": source(start)}
+            for start in map(json.loads, (out / "starts.jsonl").read_text().splitlines())
+        ],
     }
+
+
+def source(start: dict) -> str | None:
+    """Where a start's state came from: "replica" if any rank of the job restored from a
+    peer's replica, else this rank's source ("memory" or "storage"); None: nothing."""
+    origins = start["origins"]
+    if origins is None:
+        return None
+    return "replica" if "replica" in origins else origins[start["rank"]]
 
 
 @pytest.fixture(scope="module")

@@ -8,116 +8,39 @@ import os
 import random
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from unbroken import faults
-from unbroken.faults import Fault
-from unbroken.launcher import plan, split_argv
+import unbroken.run
+from unbroken.run import contract, faults, worker
+from unbroken.run.args import parse, split_argv
+from unbroken.run.faults import Fault
+from unbroken.run.timeline import Timeline
 
 STEPS = 24
 SAVE_EVERY = 10
 
-TRAIN = textwrap.dedent(
-    """
-    import argparse, json, logging, os, time
-
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
-
-    import unbroken
-    from unbroken import faults
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--ckpt", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--save-every", type=int, required=True)
-    p.add_argument("--replicas", type=int, default=0)
-    args = p.parse_args()
-
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    faults.init_process_group("gloo", timeout_s=60)
-    rank = dist.get_rank()
-
-    messages = []  # the Checkpointer logs where it restored from
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-
-    logging.getLogger("unbroken").addHandler(Keep())
-    logging.getLogger("unbroken").setLevel(logging.INFO)
-
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    progress = unbroken.Progress(step=0)
-    state = {"model": model, "optim": optim, "progress": progress}
-    memory_dir = os.environ.get("UNBROKEN_MEMORY_DIR", "/dev/shm/unbroken")
-    ckpt = unbroken.Checkpointer(
-        args.ckpt, memory=True, memory_dir=memory_dir, replicas=args.replicas
-    )
-    restored = ckpt.restore(state)
-    source = None
-    if restored is not None:
-        from_memory = any("shared memory" in m or "replica" in m for m in messages)
-        source = "memory" if from_memory else "storage"
-    with open(os.path.join(args.out, "starts.jsonl"), "a") as f:
-        f.write(json.dumps({
-            "rank": rank,
-            "attempt": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
-            "node": os.environ.get("UNBROKEN_NODE"),
-            "restored": restored,
-            "source": source,
-        }) + "\\n")
-    while progress.step < args.steps:
-        step = progress.step + 1
-        g = torch.Generator().manual_seed(1000 * step + rank)  # the data depends on the step
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        loss = (model(x) - y).pow(2).mean()
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        progress.step = step
-        time.sleep(0.02)  # a step long enough for faults to land mid-run
-        faults.tick(step)
-        ckpt.snapshot(step, state)
-        if step % args.save_every == 0:
-            ckpt.save(step, state)
-    ckpt.close()
-    with open(os.path.join(args.out, f"final-{rank}.bin"), "wb") as f:
-        for t in model.state_dict().values():
-            f.write(t.numpy().tobytes())
-    dist.destroy_process_group()
-    """
-)
+TRAIN = Path(__file__).with_name("train_job.py")
 
 
 def launch(tmp: Path, *options: str, env: dict[str, str] | None = None, replicas: int = 0) -> dict:
-    """`python -m unbroken.launcher OPTIONS train.py`; its timeline, final parameters and
+    """`python -m unbroken.run OPTIONS train_job.py`; its timeline, final parameters and
     the start records the workers wrote."""
     tmp.mkdir(parents=True, exist_ok=True)
-    script = tmp / "train.py"
-    script.write_text(TRAIN)
     out = tmp / "out"
     out.mkdir()
     timeline = tmp / "timeline.json"
     cmd = [
         sys.executable,
         "-m",
-        "unbroken.launcher",
+        "unbroken.run",
         f"--timeline-json={timeline}",
         *options,
         "--max-restarts=2",
         "--monitor-interval=0.1",
-        str(script),
+        str(TRAIN),
         f"--ckpt={tmp / 'ckpt'}",
         f"--out={out}",
         f"--steps={STEPS}",
@@ -151,7 +74,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def restarts(run: dict) -> list[dict]:
-    return [s for s in run["starts"] if s["restored"] is not None]
+    """The starts that restored something: rank, attempt, node, the step, and its source
+    ("memory": this rank's state came from shared memory, its own or a peer's replica)."""
+    return [
+        {k: s[k] for k in ("rank", "attempt", "node", "restored")} | {"source": source(s)}
+        for s in run["starts"]
+        if s["restored"] is not None
+    ]
+
+
+def source(start: dict) -> str:
+    return "storage" if start["origins"][start["rank"]] == "storage" else "memory"
 
 
 @pytest.mark.timeout(90)
@@ -298,32 +231,30 @@ def test_arguments_split_between_unbroken_torchrun_and_the_script():
 )
 def test_bad_command_lines_are_refused_clearly(argv, complaint, capsys):
     with pytest.raises(SystemExit) as e:
-        plan(argv)
+        parse(argv)
     assert e.value.code == 2
     assert complaint in capsys.readouterr().err
 
 
 def test_tick_is_cheap_and_writes_a_heartbeat(tmp_path, monkeypatch):
-    monkeypatch.setenv("UNBROKEN_HEARTBEAT_DIR", str(tmp_path))
+    monkeypatch.setenv(contract.HEARTBEAT_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "3")
-    monkeypatch.setenv("UNBROKEN_INJECT_FAULT", "kill rank=1 step=1")  # another rank's
-    faults._reset()
+    monkeypatch.setenv(contract.FAULT_ENV, "kill rank=1 step=1")  # another rank's
+    worker.reset()
     try:
-        faults.tick(1)
+        unbroken.run.tick(1)
         t0 = time.perf_counter()
         for step in range(2, 100_002):
-            faults.tick(step)
+            unbroken.run.tick(step)
         per_tick = (time.perf_counter() - t0) / 100_000
         step, _, pid, attempt = (tmp_path / "rank-3").read_text().split()
         assert int(pid) == os.getpid() and attempt == "0" and int(step) >= 1
         assert per_tick < 20e-6, f"{per_tick * 1e6:.1f} us per tick"
     finally:
-        faults._reset()
+        worker.reset()
 
 
 def test_timeline_gives_each_fault_its_own_recovery():
-    from unbroken.launcher import Timeline
-
     tl = Timeline(t0=0.0)
 
     def worker(pid: int, start: float, step: int) -> None:

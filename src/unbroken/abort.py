@@ -5,14 +5,14 @@ gloo has no abort that wakes an operation in flight: ``ProcessGroup.abort()`` an
 is itself stuck stays blocked until the group's timeout (minutes), and destroying a group
 with such an operation waits for it. What does wake it is its connection going away, so
 this module keeps the sockets of the process groups unbroken creates (the default group
-of ``inprocess.run`` and each Checkpointer's group), and `shutdown` shuts down their
+of `unbroken.run.in_process` and each Checkpointer's group), and `shutdown` shuts down their
 connections: every operation in flight on them fails at once with "connection closed",
 here and on the peer at the other end, which then fails too instead of waiting.
 
 Not quite every one: gloo can miss waking a send whose connection broke mid-transfer,
 which then waits for the group's timeout. So the Checkpointer never blocks its caller on
 its own gloo work without a bound: its waits poll `check`, and an aborted Checkpointer is
-abandoned (`Checkpointer._abandon`), not joined.
+abandoned (`Checkpointer._abandon`, through `register` and `abandon_all`), not joined.
 
 Sockets are recognised by their inode, recorded as the group is created (gloo connects
 its whole mesh while the group is built). Listening sockets are left alone: gloo's
@@ -26,7 +26,9 @@ import contextlib
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Iterator
+from typing import Protocol
 
 from unbroken.errors import CheckpointError
 
@@ -37,6 +39,30 @@ _owned: set[str] = set()  # "socket:[inode]" links of tracked connections
 _enabled = False
 _generation = 0
 _aborted = threading.Event()
+
+
+class Abandonable(Protocol):
+    """Something with background work on a process group that an abort may leave stuck
+    (a Checkpointer): it can be given up on without being joined."""
+
+    def _abandon(self, timeout: float) -> bool:
+        """Stop without waiting on any peer; False if still busy after ``timeout``."""
+        ...
+
+
+_registered: weakref.WeakSet[Abandonable] = weakref.WeakSet()
+
+
+def register(obj: Abandonable) -> None:
+    """Have `abandon_all` abandon ``obj`` while it lives (held weakly); its repr names
+    it in `abandon_all`'s answer."""
+    _registered.add(obj)
+
+
+def abandon_all(timeout: float) -> list[str]:
+    """Abandon every registered object of this process (in-process recovery, after its
+    groups were aborted); the reprs of those still busy after ``timeout``."""
+    return [repr(obj) for obj in list(_registered) if not obj._abandon(timeout)]
 
 
 def begin(generation: int = 0) -> None:

@@ -20,12 +20,12 @@ from typing import Any, Literal, TypeVar
 
 import torch.distributed as dist
 
-from unbroken import abort, faults, replicas, restoring, saving
+from unbroken import abort, replicas, restoring, saving
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.format import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
-from unbroken.memory import DEFAULT_ROOT as DEFAULT_MEMORY_DIR
 from unbroken.memory import MemoryTier, partners
+from unbroken.run import contract, worker
 from unbroken.staging import Stager
 from unbroken.storage import Storage, open_storage
 
@@ -151,11 +151,15 @@ class Checkpointer:
         self._replicating: Future[Any] | None = None
         if memory:
             name = job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{self.path}"
-            root = memory_dir or os.environ.get("UNBROKEN_MEMORY_DIR") or DEFAULT_MEMORY_DIR
+            root = (
+                memory_dir
+                or os.environ.get(contract.MEMORY_DIR_ENV)
+                or contract.DEFAULT_MEMORY_ROOT
+            )
             self._memory = MemoryTier(root, name, self.rank, self._comm.world_size)
         if replicas:
             # A node is what torchrun calls one (its node rank), or a simulated one.
-            node = os.environ.get("UNBROKEN_NODE") or os.environ.get("GROUP_RANK")
+            node = os.environ.get(contract.NODE_ENV) or os.environ.get("GROUP_RANK")
             nodes = self._comm.all_gather(f"{socket.gethostname()}/{node}")
             world = range(self._comm.world_size)
             self._replica_partners = partners(nodes, self.rank, replicas)
@@ -171,7 +175,7 @@ class Checkpointer:
         # from (None: none yet, or it found nothing to restore).
         self.last_restore: restoring.Restored | None = None
         _at_exit(self)
-        _live.add(self)
+        abort.register(self)
 
     @property
     def rank(self) -> int:
@@ -248,7 +252,7 @@ class Checkpointer:
             raise CheckpointError(f"{self!r} is closed")
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
-        faults.tick(step)
+        worker.tick(step)
         self._surface_failure()
         arena = None
         if not blocking:
@@ -334,7 +338,7 @@ class Checkpointer:
         snapshots the same steps); the next snapshot waits until that is done."""
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
-        faults.tick(step)
+        worker.tick(step)
         self._surface_failure()
         if self._replicating is not None:
             # The slot about to be overwritten may be the one still being sent.
@@ -378,10 +382,10 @@ class Checkpointer:
         `save` or `wait`). Where each rank's state came from is then in `last_restore`.
         """
         self._drain()
-        faults.event("restore_start")
+        worker.event("restore_start")
         self.last_restore = restoring.restore(self, state, step, strict)
         restored = None if self.last_restore is None else self.last_restore.step
-        faults.event("restore_done", step=restored)
+        worker.event("restore_done", step=restored)
         return restored
 
     # -- shutdown --------------------------------------------------------------------
@@ -461,15 +465,6 @@ def _wait(pending: list[Future[Any]], what: str) -> None:
     generation is aborted instead (see `unbroken.abort`)."""
     while futures.wait(pending, abort.poll_s()).not_done:
         abort.check(what)
-
-
-_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
-
-
-def abandon_all(timeout: float) -> list[str]:
-    """`Checkpointer._abandon` every open checkpointer of this process (in-process
-    recovery, after its groups were aborted); those still busy after ``timeout``."""
-    return [repr(c) for c in list(_live) if not c._abandon(timeout)]
 
 
 def _at_exit(ckpt: Checkpointer) -> None:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo(args[1:])
     if args[:1] == ["run"]:  # before argparse: torchrun's options pass through untouched
-        from unbroken.launcher import main as run
+        from unbroken.run.cli import main as run
 
         return run(args[1:])
     parser = _parser()

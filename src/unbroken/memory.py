@@ -35,7 +35,6 @@ from unbroken.shards import byte_view
 
 log = logging.getLogger("unbroken")
 
-DEFAULT_ROOT = "/dev/shm/unbroken"
 _ALIGN = 64
 
 

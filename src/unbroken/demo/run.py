@@ -31,7 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from unbroken.demo import EVENT_PREFIX
-from unbroken.launcher import kill_tree
+from unbroken.run.procs import kill_tree
 
 VERDICT_EQUAL = "EQUAL"
 VERDICT_DIFFERENT = "DIFFERENT"

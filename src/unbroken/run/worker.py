@@ -1,5 +1,5 @@
-"""The worker side of `unbroken run`: heartbeats, injected faults, and a process group
-that survives restarts.
+"""The worker side of `unbroken run`: heartbeats, timeline events, injected faults, and a
+process group that survives restarts.
 
 A training loop calls `tick(step)` once per step (the Checkpointer calls it too). Under
 `unbroken run` this does two things:
@@ -7,18 +7,16 @@ A training loop calls `tick(step)` once per step (the Checkpointer calls it too)
 * it writes a heartbeat for this rank into ``$UNBROKEN_HEARTBEAT_DIR/rank-<RANK>``,
   at most every `HEARTBEAT_INTERVAL_S`, which the launcher's watchdog reads to find hung
   workers long before the collective timeout would;
-* it applies the faults in ``$UNBROKEN_INJECT_FAULT`` (``;``-separated), on the first
-  attempt only, each at most once per launch::
-
-      kill rank=1 step=40        rank 1 SIGKILLs itself once it reaches step 40
-      hang rank=0 step=60        rank 0 stops making progress forever
-      kill-node node=1 step=80   simulated node 1 dies: all its ranks and its memory
+* it applies the faults in ``$UNBROKEN_INJECT_FAULT`` (`unbroken.run.faults`), on the
+  first attempt only, each at most once per launch.
 
 Outside `unbroken run` (no such variables) `tick` costs a dictionary lookup.
 
 The heartbeat directory also collects a few events per process (start, process group
 ready, first step, fault), one JSON line each, from which the launcher builds its
-recovery timeline.
+recovery timeline. File names and variables: `unbroken.run.contract`.
+
+No torch import at module level: `tick` and `event` must stay cheap to import.
 """
 
 from __future__ import annotations
@@ -26,87 +24,35 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-HEARTBEAT_DIR_ENV = "UNBROKEN_HEARTBEAT_DIR"
-FAULT_ENV = "UNBROKEN_INJECT_FAULT"
-NODE_ENV = "UNBROKEN_NODE"
+from unbroken.run import contract
+from unbroken.run.faults import Fault, parse
+
 HEARTBEAT_INTERVAL_S = 0.2
-HEARTBEAT_BYTES = 80  # fixed width: rewritten in place, never truncated
-KINDS = {"kill": "rank", "hang": "rank", "kill-node": "node"}
-EXAMPLES = "'kill rank=1 step=40', 'hang rank=0 step=60' or 'kill-node node=1 step=80'"
 
 
-@dataclass(frozen=True)
-class Fault:
-    """One fault to inject: ``kind`` at ``step`` on ``target`` (a rank, or a node for
-    kill-node). ``index`` is its position in the launch's list: it fires once per launch."""
-
-    kind: str
-    target: int
-    step: int
-    index: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.kind} {KINDS[self.kind]}={self.target} step={self.step}"
-
-
-def parse(spec: str) -> list[Fault]:
-    """Parse ``;``-separated faults; a ValueError names the text that is wrong."""
-    faults: list[Fault] = []
-    for text in (part.strip() for part in spec.split(";")):
-        if text:
-            faults.append(_parse_one(text, len(faults)))
-    return faults
-
-
-def _parse_one(text: str, index: int) -> Fault:
-    def bad(why: str) -> ValueError:
-        return ValueError(f"bad fault {text!r}: {why}; write e.g. {EXAMPLES}")
-
-    kind, *pairs = text.split()  # text is not blank: parse() skips those
-    if kind not in KINDS:
-        raise bad(f"unknown kind {kind!r} (known: {', '.join(KINDS)})")
-    values: dict[str, int] = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq or not re.fullmatch(r"\d+", value):
-            raise bad(f"{pair!r} is not key=N with N a non-negative integer")
-        if key not in (KINDS[kind], "step"):
-            raise bad(f"{kind} takes {KINDS[kind]}= and step=, not {key}=")
-        if key in values:
-            raise bad(f"{key}= given twice")
-        values[key] = int(value)
-    missing = [k for k in (KINDS[kind], "step") if k not in values]
-    if missing:
-        raise bad(f"missing {' and '.join(k + '=' for k in missing)}")
-    return Fault(kind, values[KINDS[kind]], values["step"], index)
-
-
-# -- the worker -------------------------------------------------------------------------
-
-
-class _Worker:
-    """This process's view of the launch, read from the environment once."""
+class LaunchContext:
+    """This process's view of the launch it belongs to, read from the environment once:
+    its rank and attempt, the heartbeat directory, and the faults it is to fire."""
 
     def __init__(self) -> None:
         env = os.environ
         self.rank = int(env.get("RANK", "0"))
         self.attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.node = int(env[NODE_ENV]) if env.get(NODE_ENV, "").isdigit() else None
-        self.dir = env.get(HEARTBEAT_DIR_ENV) or None
-        faults = parse(env.get(FAULT_ENV, ""))
+        node = env.get(contract.NODE_ENV, "")
+        self.node = int(node) if node.isdigit() else None
+        self.dir = env.get(contract.HEARTBEAT_DIR_ENV) or None
+        faults = parse(env.get(contract.FAULT_ENV, ""))
         # Faults fire on the first attempt only: the restarted workers must get through.
         self.faults = [f for f in faults if self._mine(f)] if self.attempt == 0 else []
         if self.dir is None and any(f.kind == "kill-node" for f in self.faults):
             raise RuntimeError(
-                f"{FAULT_ENV} asks for kill-node, which only `unbroken run --simulate-nodes` "
-                f"can carry out ({HEARTBEAT_DIR_ENV} is not set)"
+                f"{contract.FAULT_ENV} asks for kill-node, which only `unbroken run "
+                f"--simulate-nodes` can carry out ({contract.HEARTBEAT_DIR_ENV} is not set)"
             )
         self.fd: int | None = None
         self.last_beat = float("-inf")
@@ -132,7 +78,7 @@ class _Worker:
         assert self.dir is not None
         record = {"event": name, "t": time.time(), "rank": self.rank, "attempt": self.attempt}
         record.update(node=self.node, pid=os.getpid(), **fields)
-        path = os.path.join(self.dir, f"events-{self.rank}-{os.getpid()}.jsonl")
+        path = os.path.join(self.dir, contract.events_file(self.rank, os.getpid()))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, (json.dumps(record) + "\n").encode())
@@ -144,10 +90,10 @@ class _Worker:
     def beat(self, step: int, now: float) -> None:
         assert self.dir is not None
         if self.fd is None:
-            path = os.path.join(self.dir, f"rank-{self.rank}")
+            path = os.path.join(self.dir, contract.heartbeat_file(self.rank))
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         line = f"{step} {time.time():.6f} {os.getpid()} {self.attempt}"
-        os.pwrite(self.fd, line.ljust(HEARTBEAT_BYTES - 1).encode() + b"\n", 0)
+        os.pwrite(self.fd, line.ljust(contract.HEARTBEAT_BYTES - 1).encode() + b"\n", 0)
         self.last_beat = now
 
     def tick(self, step: int) -> None:
@@ -177,7 +123,7 @@ class _Worker:
             tmp = os.path.join(self.dir, f".request-{os.getpid()}")
             with open(tmp, "w") as f:
                 f.write(json.dumps({"node": fault.target, "step": step, "t": time.time()}))
-            os.replace(tmp, os.path.join(self.dir, f"request-kill-node-{fault.target}"))
+            os.replace(tmp, os.path.join(self.dir, contract.kill_node_file(fault.target)))
         while True:  # hang (or wait to be killed): no more steps, no more heartbeats
             time.sleep(3600)
 
@@ -185,23 +131,23 @@ class _Worker:
         """True once per launch for each fault, across attempts and replacement nodes."""
         if self.dir is None:
             return True
+        path = os.path.join(self.dir, contract.fired_file(fault.index))
         try:
-            os.close(
-                os.open(os.path.join(self.dir, f"fired-{fault.index}"), os.O_CREAT | os.O_EXCL)
-            )
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL))
         except FileExistsError:
             return False
         return True
 
 
-_worker: _Worker | None = None
+_context: LaunchContext | None = None
 
 
-def _get() -> _Worker:
-    global _worker
-    if _worker is None:
-        _worker = _Worker()
-    return _worker
+def current() -> LaunchContext:
+    """This process's launch context, read from the environment on first use."""
+    global _context
+    if _context is None:
+        _context = LaunchContext()
+    return _context
 
 
 def tick(step: int) -> None:
@@ -210,29 +156,30 @@ def tick(step: int) -> None:
     Call it once per step; calling it more often (the Checkpointer does) is harmless.
     It costs about a microsecond: a clock read, and a small write at most every
     `HEARTBEAT_INTERVAL_S`."""
-    _get().tick(step)
+    current().tick(step)
 
 
 def event(name: str, **fields: Any) -> None:
     """Record a timeline event for `unbroken run` (nothing happens outside it)."""
-    _get().event(name, **fields)
+    current().event(name, **fields)
 
 
 def new_attempt(attempt: int) -> None:
     """Start a new attempt in this same process (in-process recovery): events and
     heartbeats carry ``attempt`` from now on, and its first step is reported again."""
-    worker = _get()
-    worker.attempt = attempt
-    worker.first_step_seen = False
+    context = current()
+    context.attempt = attempt
+    context.first_step_seen = False
 
 
-def _reset() -> None:
-    """Forget what was read from the environment (for tests that change it)."""
-    global _worker
-    if _worker is not None and _worker.fd is not None:
+def reset() -> None:
+    """Forget what was read from the environment (a warm spare taking on a rank's
+    environment, or a test changing it)."""
+    global _context
+    if _context is not None and _context.fd is not None:
         with contextlib.suppress(OSError):
-            os.close(_worker.fd)
-    _worker = None
+            os.close(_context.fd)
+    _context = None
 
 
 def _process_start_time() -> float | None:
@@ -275,8 +222,8 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    worker = _get()
-    worker.event("init_start")
+    context = current()
+    context.event("init_start")
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         env["MASTER_ADDR"],
@@ -287,8 +234,8 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
         wait_for_workers=False,
         multi_tenant=True,  # the Checkpointer's groups may reuse the server in-process
     )
-    prefix = f"unbroken/attempt-{attempt}" if shared else "unbroken"
+    prefix = f"{contract.ATTEMPT_PREFIX}{attempt}" if shared else "unbroken"
     dist.init_process_group(
         backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, timeout=timeout
     )
-    worker.event("init_done", prefix=prefix)
+    context.event("init_done", prefix=prefix)

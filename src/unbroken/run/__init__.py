@@ -1,0 +1,40 @@
+"""``unbroken run``, the launcher side of unbroken, and the calls a training script makes
+under it.
+
+A training script started by ``unbroken run`` (or plain torchrun) calls:
+
+* `init_process_group(backend="gloo", timeout_s=300.0)` instead of
+  ``torch.distributed.init_process_group()``: each restart attempt gets a store of its
+  own, so a new attempt never hangs on the dead attempt's addresses;
+* `tick(step)` once per step (the Checkpointer also calls it on every ``snapshot`` and
+  ``save``): a heartbeat for the launcher's hang watchdog, and the point where injected
+  faults fire. Outside ``unbroken run`` it costs a dictionary lookup;
+* `event(name, **fields)`, optionally: a line on the launcher's recovery timeline;
+* `in_process(train, *, timeout_s=60.0, wait_s=60.0)` instead of both
+  `init_process_group` and a direct call of ``train()``, for in-process recovery
+  (``unbroken run --in-process``): ``train()`` runs again in the same process after a
+  peer fails. It raises `InProcessError` where that cannot work. Under plain
+  ``unbroken run`` or torchrun it initialises the group and calls ``train()`` once.
+
+The worker-side modules import torch only inside the calls that need it. The modules:
+
+    contract    names shared by launcher and workers: environment, store keys, files
+    faults      fault specs (--inject-fault)
+    worker      worker side: heartbeats, events, faults, init_process_group
+    inprocess   worker side of in-process recovery: in_process(train)
+    spare       warm spares (--warm-spare), both sides
+    args        the command line: ours, torchrun's, the script's
+    procs       process trees: kill_tree, descendants, alive
+    timeline    events -> recoveries and the printed summary
+    watch       heartbeat watchdog, event reading, kill-node requests (both modes)
+    nodes       simulated nodes' shared memory
+    launch      restart-all: torchrun agents
+    supervisor  in-process: one process per rank, failed ranks replaced alone
+    cli         main(argv) and the poll loop that drives either mode
+    measure     how long process-group initialisation takes
+"""
+
+from unbroken.run.inprocess import InProcessError, in_process
+from unbroken.run.worker import event, init_process_group, tick
+
+__all__ = ["InProcessError", "event", "in_process", "init_process_group", "tick"]

@@ -1,0 +1,240 @@
+"""The command line of ``unbroken run``: which options are ours, which torchrun's, which
+the script's, and the checks that refuse a launch that cannot work, before anything
+starts.
+
+    unbroken run [unbroken options] [torchrun options] train.py [args]
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from unbroken.run import faults as fault_specs
+from unbroken.run.faults import Fault
+
+# Options of ours that torchrun must not also get (the simulated nodes set them).
+SIMULATION_SETS = (
+    "--nnodes",
+    "--node-rank",
+    "--rdzv-backend",
+    "--rdzv-endpoint",
+    "--rdzv-id",
+    "--rdzv-conf",
+    "--standalone",
+    "--master-addr",
+    "--master-port",
+    "--local-addr",
+)
+# torchrun options that make sense on one machine; anything else is multi-machine or
+# elastic membership, which in-process mode does not do.
+IN_PROCESS_ALLOWED = {
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "--max-restarts",
+    "--max_restarts",
+    "--monitor-interval",
+    "--monitor_interval",
+    "--standalone",
+    "--nnodes",
+    "--run-id",
+    "--run_id",
+    "--rdzv-id",
+    "--rdzv_id",
+    "-m",
+    "--module",
+    "--no-python",
+    "--no_python",
+}
+_TAKES_VALUE = {"--inject-fault", "--heartbeat-timeout", "--simulate-nodes", "--timeline-json"}
+_FLAGS = {"--in-process", "--warm-spare"}
+
+
+@dataclass
+class RunOptions:
+    """A checked ``unbroken run`` command line."""
+
+    ours: argparse.Namespace  # our options, parsed
+    torchrun_opts: list[str]  # torchrun's, as given
+    script: list[str]  # the script and its arguments
+    faults: list[Fault]
+    max_restarts: int
+    nproc_per_node: int | None  # None: not a number (torchrun's "auto", "gpu", ...)
+
+
+def _our_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="unbroken run",
+        usage="unbroken run [unbroken options] [torchrun options] train.py [args]",
+        description="torchrun with a hang watchdog, fault injection, simulated nodes and a "
+        "recovery timeline. Every other option goes to torchrun unchanged.",
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "--inject-fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="'kill rank=R step=S', 'hang rank=R step=S' or 'kill-node node=N step=S'; "
+        "repeatable or ';'-separated. Needs --max-restarts 1 or more.",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="SIGKILL a worker that has not called unbroken.run.tick() for this long "
+        "(after its first tick), so torchrun restarts the workers (default 60; 0: off)",
+    )
+    p.add_argument(
+        "--simulate-nodes",
+        type=int,
+        metavar="N",
+        help="run N torchrun agents on this machine, each a node with its own shared memory",
+    )
+    p.add_argument("--timeline-json", type=Path, metavar="PATH", help="write the timeline here")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="replace only failed ranks, keeping the healthy ones alive (the script calls "
+        "unbroken.run.in_process); one machine only, simulated nodes included: run "
+        "multi-machine jobs without it (see unbroken.run.supervisor)",
+    )
+    p.add_argument(
+        "--warm-spare",
+        action="store_true",
+        help="with --in-process: keep a standby worker per node with torch imported",
+    )
+    return p
+
+
+def torchrun_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    return get_args_parser()
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """Split into (unbroken options, torchrun options, [script, *its args]).
+
+    Ours may come anywhere before the script; anything after the script is the
+    script's. Which torchrun options take a value is read from torchrun's own parser."""
+    theirs: dict[str, bool] = {}
+    for action in torchrun_parser()._actions:
+        for opt in action.option_strings:
+            theirs[opt] = action.nargs != 0
+    ours: list[str] = []
+    torchrun: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if arg == "--":
+            return ours, torchrun, argv[i + 1 :]
+        if not arg.startswith("-") or arg == "-":
+            return ours, torchrun, argv[i:]
+        target = ours if name in _TAKES_VALUE or name in _FLAGS else torchrun
+        target.append(arg)
+        takes_value = name in _TAKES_VALUE or (name not in _FLAGS and theirs.get(name, True))
+        if "=" not in arg and takes_value and i + 1 < len(argv) and name not in ("-h", "--help"):
+            target.append(argv[i + 1])
+            i += 1
+        i += 1
+    return ours, torchrun, []
+
+
+def parse(argv: list[str]) -> RunOptions:
+    """Parse and check the command line; raises SystemExit(2) with a message if wrong."""
+    ours_argv, torchrun_opts, script = split_argv(argv)
+    parser = _our_parser()
+    if not script and not ours_argv and any(a in ("-h", "--help") for a in torchrun_opts):
+        parser.print_help()
+        print("\ntorchrun options:")
+        torchrun_parser().print_help()
+        raise SystemExit(0)
+    ours = parser.parse_args(ours_argv)
+    if not script:
+        parser.error("no training script given: unbroken run [options] train.py [args]")
+    targs = torchrun_parser().parse_args([*torchrun_opts, *script])
+    try:
+        faults = fault_specs.parse(";".join(ours.inject_fault))
+    except ValueError as e:
+        parser.error(str(e))
+    nproc = int(targs.nproc_per_node) if str(targs.nproc_per_node).isdigit() else None
+    if faults and targs.max_restarts < 1:
+        parser.error(
+            f"--inject-fault needs --max-restarts 1 or more (got {targs.max_restarts}): "
+            "otherwise the first fault ends the job"
+        )
+    if ours.heartbeat_timeout < 0:
+        parser.error("--heartbeat-timeout must be positive (or 0 to turn the watchdog off)")
+    if ours.simulate_nodes is not None:
+        _check_simulation(parser, ours.simulate_nodes, torchrun_opts, targs)
+    _check_targets(parser, faults, ours.simulate_nodes, nproc, targs)
+    return RunOptions(ours, torchrun_opts, script, faults, targs.max_restarts, nproc)
+
+
+def _check_simulation(
+    parser: argparse.ArgumentParser,
+    nodes: int,
+    torchrun_opts: list[str],
+    targs: argparse.Namespace,
+) -> None:
+    if nodes < 1:
+        parser.error(f"--simulate-nodes {nodes}: simulate at least one node")
+    given = [
+        o
+        for o in torchrun_opts
+        if o.split("=", 1)[0].replace("_", "-") in SIMULATION_SETS
+        and not (o.startswith("--nnodes") and targs.nnodes == str(nodes))
+    ]
+    if given:
+        parser.error(
+            f"--simulate-nodes sets {', '.join(sorted(set(given)))} itself; leave them out"
+        )
+    if targs.max_restarts < 1:
+        parser.error("--simulate-nodes needs --max-restarts 1 or more to recover a node")
+
+
+def _check_targets(
+    parser: argparse.ArgumentParser,
+    faults: list[Fault],
+    nodes: int | None,
+    nproc: int | None,
+    targs: argparse.Namespace,
+) -> None:
+    """Every fault names a node or rank that the job has."""
+    for f in faults:
+        if f.kind == "kill-node":
+            if nodes is None:
+                parser.error(f"{str(f)!r} needs --simulate-nodes (a node is an agent here)")
+            elif f.target >= nodes:
+                parser.error(f"{str(f)!r}: there are only nodes 0..{nodes - 1}")
+        elif nproc is not None and f.target >= nproc * (nodes or _int(targs.nnodes) or 1):
+            parser.error(f"{str(f)!r}: no such rank in this job")
+
+
+def _int(text: str) -> int | None:
+    return int(text) if text.isdigit() else None
+
+
+def check_in_process(opts: RunOptions) -> argparse.Namespace:
+    """Refuse what in-process mode cannot do; torchrun's parsed options."""
+    parser = argparse.ArgumentParser(prog="unbroken run --in-process")
+    targs = torchrun_parser().parse_args([*opts.torchrun_opts, *opts.script])
+    given = {o.split("=", 1)[0] for o in opts.torchrun_opts if o.startswith("-")}
+    others = sorted(given - IN_PROCESS_ALLOWED)
+    if others:
+        parser.error(
+            f"{', '.join(others)}: --in-process runs on one machine only (simulated nodes "
+            "included); run multi-machine jobs without --in-process"
+        )
+    nodes = opts.ours.simulate_nodes
+    if targs.nnodes not in ("1", "1:1") and not (nodes and targs.nnodes == str(nodes)):
+        parser.error(f"--nnodes={targs.nnodes}: --in-process runs on one machine only")
+    if opts.nproc_per_node is None:
+        parser.error("--in-process needs --nproc-per-node as a number")
+    if opts.ours.warm_spare and not opts.ours.in_process:
+        parser.error("--warm-spare needs --in-process")
+    return targs

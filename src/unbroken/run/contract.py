@@ -1,0 +1,71 @@
+"""The contract between `unbroken run` and its workers: every environment variable, store
+key and heartbeat-directory file name that both sides use, in one place.
+
+The launcher (`unbroken.run.launch`, `unbroken.run.supervisor`) writes these; the worker
+side (`unbroken.run.worker`, `unbroken.run.inprocess`, `unbroken.run.spare`, and the
+Checkpointer) reads them. Neither side spells a name itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+# -- environment variables (launcher -> worker) -----------------------------------------
+
+HEARTBEAT_DIR_ENV = "UNBROKEN_HEARTBEAT_DIR"  # where heartbeats, events and requests go
+FAULT_ENV = "UNBROKEN_INJECT_FAULT"  # ';'-separated fault specs (`unbroken.run.faults`)
+NODE_ENV = "UNBROKEN_NODE"  # the simulated node a worker runs on
+MEMORY_DIR_ENV = "UNBROKEN_MEMORY_DIR"  # root of the node's shared-memory snapshots
+IN_PROCESS_ENV = "UNBROKEN_IN_PROCESS"  # "1" when the in-process supervisor started it
+
+# -- shared memory ----------------------------------------------------------------------
+
+DEFAULT_MEMORY_ROOT = "/dev/shm/unbroken"  # snapshots, where MEMORY_DIR_ENV is not set
+SIM_MEMORY_ROOT = "/dev/shm/unbroken-sim"  # simulated nodes: <job>/node-<i> below it
+
+# -- store keys (the launcher's TCPStore, read by workers) ------------------------------
+
+GENERATION_KEY = "unbroken/generation"  # in-process recovery: the running generation
+ABORT_KEY = "unbroken/abort"  # -<g>: set by the supervisor when generation g failed
+GENERATION_PREFIX = "unbroken/gen-"  # +<g>: the store prefix of generation g's group
+ATTEMPT_PREFIX = "unbroken/attempt-"  # +<n>: restart attempt n's prefix in a shared store
+SPARE_PREFIX = "unbroken/spare-"  # +<id>: a warm spare's keys, below
+SPARE_READY = "ready"  # <spare key>/ready: the spare imported torch and waits
+SPARE_ASSIGN = "assign"  # <spare key>/assign: JSON {env, argv, module}: become this rank
+
+# -- files in the heartbeat directory ---------------------------------------------------
+
+HEARTBEAT_PREFIX = "rank-"  # rank-<rank>: one fixed-width heartbeat line, rewritten
+HEARTBEAT_BYTES = 80  # the heartbeat line's width: rewritten in place, never truncated
+EVENTS_PREFIX = "events-"  # events-<rank>-<pid>.jsonl: one JSON line per event
+FIRED_PREFIX = "fired-"  # fired-<index>: fault <index> fired already in this launch
+KILL_NODE_PREFIX = "request-kill-node-"  # request-kill-node-<node>: a worker asks
+
+
+def heartbeat_file(rank: int) -> str:
+    return f"{HEARTBEAT_PREFIX}{rank}"
+
+
+def events_file(rank: int, pid: int) -> str:
+    return f"{EVENTS_PREFIX}{rank}-{pid}.jsonl"
+
+
+def fired_file(index: int) -> str:
+    return f"{FIRED_PREFIX}{index}"
+
+
+def kill_node_file(node: int) -> str:
+    return f"{KILL_NODE_PREFIX}{node}"
+
+
+def worker_env(heartbeat_dir: str, faults: str) -> dict[str, str]:
+    """The environment every worker of a launch starts with: this process's, plus the
+    heartbeat directory and the faults to inject."""
+    env = dict(os.environ)
+    env[HEARTBEAT_DIR_ENV] = heartbeat_dir
+    env[FAULT_ENV] = faults
+    # Worker rank 0 hosts a fresh store for each attempt instead of the agent sharing
+    # one across attempts: no stale keys, no store dying with a killed agent, and no
+    # reliance on restart counts, which differ on a replacement node.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return env

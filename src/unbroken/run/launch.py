@@ -1,0 +1,204 @@
+"""``unbroken run`` without ``--in-process``: torchrun agents, which restart every worker
+when one fails, under the shared watchdog (`unbroken.run.watch`).
+
+Every torchrun option passes through unchanged: the agents are torchrun itself
+(``python -m torch.distributed.run``), so a job runs the same way on one machine, across
+machines, and under Kubernetes (docs/kubernetes.md). On top of torchrun:
+
+* ``--heartbeat-timeout S``: workers report each step (`unbroken.run.tick`); a worker
+  that stops reporting for S seconds is SIGKILLed, so torchrun restarts the workers now
+  instead of after the collective timeout (30 minutes for gloo by default).
+* ``--inject-fault SPEC``: kill a rank, hang a rank, or kill a whole simulated node at a
+  given step (see `unbroken.run.faults`).
+* ``--simulate-nodes N``: N torchrun agents on this machine joined by c10d rendezvous,
+  each a "node" with its own shared-memory directory; killing one deletes its memory and
+  starts a replacement agent, like a new machine joining.
+* a timeline (fault, detection, restart, first step after it) printed at the end and
+  written as JSON with ``--timeline-json`` (`unbroken.run.timeline`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from unbroken.run import contract
+from unbroken.run.args import RunOptions
+from unbroken.run.nodes import NodeMemory
+from unbroken.run.procs import kill_tree
+from unbroken.run.timeline import Timeline
+from unbroken.run.watch import Stale, Watch
+
+AFTER_KILL = "torchrun restarts the workers"  # what follows a watchdog kill
+
+
+@dataclass
+class Agent:
+    """One torchrun agent: the whole job, or one simulated node."""
+
+    node: int | None
+    cmd: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    killed: bool = False  # by us, as a fault: its exit code does not count
+
+    def start(self) -> None:
+        # A session of its own: terminal signals come to the launcher, which forwards them.
+        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
+
+    @property
+    def returncode(self) -> int | None:
+        assert self.proc is not None
+        return self.proc.poll()
+
+
+class RestartAll:
+    """A launch of torchrun agents (one, or one per simulated node): the job that
+    `unbroken.run.cli.drive` runs, and the hooks of its `Watch`."""
+
+    def __init__(self, opts: RunOptions, heartbeat_dir: str) -> None:
+        self.opts = opts
+        self.dir = heartbeat_dir
+        self.timeline = Timeline(mode="restart")
+        self.timeout = opts.ours.heartbeat_timeout
+        self.watch = Watch(heartbeat_dir, self.timeline, self.timeout, self)
+        self.agents: list[Agent] = []
+        self.memory: NodeMemory | None = None
+        self.store: Any = None  # the simulated nodes' rendezvous store, hosted here
+        self.stopping = False
+
+    def env(self) -> dict[str, str]:
+        return contract.worker_env(self.dir, ";".join(str(f) for f in self.opts.faults))
+
+    def start(self) -> None:
+        base = [sys.executable, "-m", "torch.distributed.run", *self.opts.torchrun_opts]
+        nodes = self.opts.ours.simulate_nodes
+        if nodes is None:
+            self.agents = [Agent(None, [*base, *self.opts.script], self.env())]
+        else:
+            self.agents = self._node_agents(base, nodes)
+        what = "1 torchrun agent" if nodes is None else f"{nodes} simulated nodes"
+        faults = "; ".join(map(str, self.opts.faults)) or "none"
+        self.timeline.add(
+            "launch", f"{what}, heartbeat timeout {self.timeout:g} s, faults: {faults}"
+        )
+        for agent in self.agents:
+            agent.start()
+
+    def _node_agents(self, base: list[str], nodes: int) -> list[Agent]:
+        import torch.distributed as dist
+
+        # The launcher hosts the rendezvous store: it must outlive any node.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        job = f"unbroken-sim-{uuid.uuid4().hex[:8]}"
+        self.memory = NodeMemory(job)
+        agents = []
+        for i in range(nodes):
+            opts = [
+                f"--nnodes={nodes}",
+                f"--node-rank={i}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{self.store.port}",
+                f"--rdzv-id={job}",
+                # A killed node's agent leaves the rendezvous once it misses its
+                # keep-alives: 2 x 1 s instead of torch's default 3 x 5 s.
+                "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2",
+                # c10d rendezvous orders nodes by address: one loopback address per
+                # node keeps node i at group rank i, replacement included.
+                f"--local-addr=127.0.{100 + i}.1",
+            ]
+            env = self.env()
+            env[contract.NODE_ENV] = str(i)
+            env[contract.MEMORY_DIR_ENV] = self.memory.create(i)
+            agents.append(Agent(i, [*base, *opts, *self.opts.script], env))
+        return agents
+
+    # -- the drive loop's calls
+
+    def poll(self) -> bool:
+        """After the watch's look: False once no agent runs. An agent that gave up (out
+        of restarts) stops the others, which would wait in rendezvous."""
+        live = [a for a in self.agents if a.returncode is None]
+        failed = [a for a in self.agents if a.returncode not in (None, 0) and not a.killed]
+        if not live:
+            return False
+        if failed and not self.stopping:
+            node = failed[0].node
+            who = "the agent" if node is None else f"node {node}'s agent"
+            self.timeline.add("agent_failed", f"{who} failed ({failed[0].returncode})")
+            self.stop(signal.SIGTERM)
+        return True
+
+    def live_pids(self) -> list[int]:
+        return [a.proc.pid for a in self.agents if a.proc is not None and a.returncode is None]
+
+    def exit_code(self) -> int:
+        codes = [a.returncode for a in self.agents if not a.killed]
+        return next((c for c in codes if c), 0) or 0
+
+    def stop(self, sig: int) -> None:
+        self.stopping = True
+        for agent in self.agents:
+            if agent.returncode is None:
+                assert agent.proc is not None
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(agent.proc.pid, sig)
+
+    def cleanup(self) -> None:
+        for agent in self.agents:
+            if agent.proc is not None and agent.returncode is None:
+                kill_tree(agent.proc.pid)
+                agent.proc.wait()
+        if self.memory is not None:
+            self.memory.remove()
+
+    # -- the watch's hooks
+
+    def since(self, beat: float, attempt: int) -> float:
+        return beat
+
+    def on_hang(self, stale: list[Stale], now: float) -> None:
+        # The rank furthest behind is the hung one; the others wait for it in a
+        # collective. Killing one worker is enough: torchrun restarts them all.
+        step, t, rank, pid = min(stale)
+        self.timeline.add(
+            "hang_detected",
+            f"rank {rank} (pid {pid}) made no progress for {now - t:.1f} s "
+            f"(last step {step}): SIGKILL, {AFTER_KILL}",
+            rank=rank,
+            pid=pid,
+            step=step,
+            idle_s=round(now - t, 3),
+        )
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self.watch.ignore(pid)
+        self.watch.hold_off()
+
+    def kill_node(self, node: int) -> None:
+        assert self.memory is not None
+        agent = next(a for a in self.agents if a.node == node and not a.killed)
+        self.timeline.add("node_kill_requested", f"killing node {node}", node=node)
+        assert agent.proc is not None
+        pids = kill_tree(agent.proc.pid)
+        agent.proc.wait()
+        agent.killed = True
+        lost = self.memory.lose(node)
+        threading.Thread(target=shutil.rmtree, args=(lost, True), daemon=True).start()
+        self.timeline.add(
+            "node_killed",
+            f"node {node} killed ({len(pids)} processes) and its shared memory deleted",
+            node=node,
+        )
+        replacement = Agent(node, agent.cmd, agent.env)
+        replacement.start()
+        self.agents.append(replacement)
+        self.timeline.add("node_replaced", f"replacement agent for node {node} started", node=node)

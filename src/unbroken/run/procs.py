@@ -1,0 +1,49 @@
+"""Process trees, read from /proc: kill one whole, list it, tell a live process from a
+dead one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL ``pid`` and every process below it, like a machine losing power.
+
+    torchrun starts workers in sessions of their own, so the tree is collected first
+    (from /proc) and every process and process group in it is killed."""
+    pids = [pid, *descendants(pid)]
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(os.getpgid(p), signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+    return pids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: children, their children, and so on."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we looked
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running: exists and is not a zombie (a dead worker torchrun has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

@@ -1,0 +1,108 @@
+"""Warm spares for ``unbroken run --in-process --warm-spare``: standby processes that have
+already imported torch and wait on the supervisor's store for a rank to take over, so a
+replacement skips the interpreter start and the imports (about 2 s here).
+
+Both sides live here: `Spares`, the supervisor's pool, and `serve`, the spare itself
+(``python -m unbroken.run.spare KEY``). The keys they share are in
+`unbroken.run.contract`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from unbroken.run import contract
+
+SpareProcess = tuple[str, subprocess.Popen[bytes]]  # its store key, its process
+
+
+class Spares:
+    """The supervisor's pool of warm spares on its ``store``; each starts with the
+    environment ``env()`` returns. Spares taken are replaced later (`replenish`), not at
+    once: a spare importing torch takes CPU the recovery needs."""
+
+    def __init__(self, store: Any, env: Callable[[], dict[str, str]]) -> None:
+        self.store = store
+        self.env = env
+        self.idle: list[SpareProcess] = []
+        self.owed = 0  # taken, not replaced yet
+
+    def start(self) -> None:
+        key = f"{contract.SPARE_PREFIX}{uuid.uuid4().hex[:8]}"
+        cmd = [sys.executable, "-u", "-m", "unbroken.run.spare", key]
+        proc = subprocess.Popen(cmd, env=self.env(), start_new_session=True)
+        self.idle.append((key, proc))
+
+    def take(self) -> SpareProcess | None:
+        """A spare that is ready, out of the pool; None if there is none."""
+        for i, (key, proc) in enumerate(self.idle):
+            if proc.poll() is None and self.store.check([f"{key}/{contract.SPARE_READY}"]):
+                self.owed += 1
+                return self.idle.pop(i)
+        return None
+
+    def assign(self, key: str, env: dict[str, str], argv: list[str], module: bool) -> None:
+        """Make spare ``key`` become a worker: its environment and script."""
+        job = json.dumps({"env": env, "argv": argv, "module": module})
+        self.store.set(f"{key}/{contract.SPARE_ASSIGN}", job)
+
+    def replenish(self) -> None:
+        for _ in range(self.owed):
+            self.start()
+        self.owed = 0
+
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [proc for _, proc in self.idle]
+
+
+def serve(key: str) -> None:
+    """Be a warm spare: import torch and the library, say so under ``KEY/ready``, wait for
+    an assignment under ``KEY/assign`` (JSON: ``env`` and ``argv``), then become that
+    worker by running its script here."""
+    # The point: imported before they are needed (DDP, FSDP and compile import
+    # torch._dynamo on first use: ~1 s here).
+    import torch._dynamo  # noqa: F401
+    import torch.distributed as dist
+
+    import unbroken  # noqa: F401
+    from unbroken.run import worker
+
+    env = os.environ
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=30),
+        wait_for_workers=False,
+    )
+    store.set(f"{key}/{contract.SPARE_READY}", str(os.getpid()))
+    parent = os.getppid()
+    while not store.check([f"{key}/{contract.SPARE_ASSIGN}"]):
+        if os.getppid() != parent:
+            sys.exit(0)  # the supervisor is gone
+        time.sleep(0.005)
+    job = json.loads(store.get(f"{key}/{contract.SPARE_ASSIGN}"))
+    os.environ.update(job["env"])
+    worker.reset()
+    del store
+    sys.argv = list(job["argv"])
+    if job.get("module"):
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+        runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m unbroken.run.spare KEY")
+    serve(sys.argv[1])

@@ -1,0 +1,168 @@
+"""The launcher's eyes on its workers, shared by both launch modes: the heartbeat
+watchdog, the workers' timeline events, and their requests to kill a simulated node, all
+read from the heartbeat directory (file names: `unbroken.run.contract`).
+
+`Watch` only observes and reports; what to do about a hang or a node-kill request is the
+launch mode's call, through the small `WatchHooks` it is given (composition: the
+restart-all launcher and the in-process supervisor each hand it their own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, NamedTuple, Protocol
+
+from unbroken.run import contract
+from unbroken.run.procs import alive
+from unbroken.run.timeline import Timeline
+
+
+class Stale(NamedTuple):
+    """A rank past the heartbeat timeout: its last step and beat (wall clock)."""
+
+    step: int
+    beat: float
+    rank: int
+    pid: int
+
+
+class Beat(NamedTuple):
+    step: int
+    t: float  # wall clock
+    pid: int
+    attempt: int
+
+
+class WatchHooks(Protocol):
+    def since(self, beat: float, attempt: int) -> float:
+        """When a rank whose last heartbeat was at ``beat`` (wall clock) in ``attempt``
+        last showed it was making progress."""
+        ...
+
+    def on_hang(self, stale: list[Stale], now: float) -> None:
+        """Ranks are past the heartbeat timeout (at most once per timeout)."""
+        ...
+
+    def kill_node(self, node: int) -> None:
+        """A worker asked for simulated node ``node`` to die (a kill-node fault)."""
+        ...
+
+
+class Watch:
+    """Polls ``directory`` for ``hooks``, recording what it sees in ``timeline``;
+    ``timeout``: the heartbeat timeout in seconds (0: no watchdog)."""
+
+    def __init__(
+        self, directory: str, timeline: Timeline, timeout: float, hooks: WatchHooks
+    ) -> None:
+        self.dir = directory
+        self.timeline = timeline
+        self.timeout = timeout
+        self.hooks = hooks
+        self.beats: dict[int, Beat] = {}  # by rank
+        self.seen_exit: set[int] = set()  # pids whose exit is on the timeline
+        self.ignored: set[int] = set()  # pids killed, or done training: never stale
+        self.finished: dict[int, int] = {}  # pid -> rank: train() returned, exiting
+        self.last_kill = float("-inf")  # monotonic
+        self.offsets: dict[str, int] = {}  # events file -> bytes read
+
+    def poll(self) -> None:
+        """One look at everything: events first, then node-kill requests, heartbeats."""
+        self.read_events()
+        self.handle_node_requests()
+        self.check_heartbeats()
+
+    def ignore(self, pid: int) -> None:
+        """Never judge ``pid`` hung (killed already, or done training)."""
+        self.ignored.add(pid)
+
+    def hold_off(self) -> None:
+        """A rank was just killed: judge the others only a heartbeat timeout from now."""
+        self.last_kill = time.monotonic()
+
+    def saw_exit(self, pid: int) -> bool:
+        """Note that ``pid`` exited; False if that was known already."""
+        if pid in self.seen_exit:
+            return False
+        self.seen_exit.add(pid)
+        return True
+
+    # -- events the workers write
+
+    def read_events(self) -> None:
+        for name in sorted(os.listdir(self.dir)):
+            if not name.startswith(contract.EVENTS_PREFIX):
+                continue
+            path = os.path.join(self.dir, name)
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(name, 0))
+                data = f.read()
+            whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+            self.offsets[name] = self.offsets.get(name, 0) + len(whole)
+            for line in whole.splitlines():
+                self._record(json.loads(line))
+
+    def _record(self, e: dict[str, Any]) -> None:
+        name, t = e.pop("event"), e.pop("t")
+        if e.get("process_start") is not None:  # like every time: since launch
+            e["process_start"] = round(e["process_start"] - self.timeline.t0, 4)
+        message = None
+        if name == "fault":
+            message = f"fault injected: {e['spec']} (rank {e['rank']} at step {e['step']})"
+        if name == "train_done":
+            # A rank whose train() returned ticks no more: the watchdog leaves it alone.
+            self.finished[e["pid"]] = e["rank"]
+            self.ignore(e["pid"])
+        self.timeline.add(name, message, t=t, **e)
+
+    # -- kill-node requests
+
+    def handle_node_requests(self) -> None:
+        for name in os.listdir(self.dir):
+            if not name.startswith(contract.KILL_NODE_PREFIX):
+                continue
+            node = int(name.rsplit("-", 1)[1])
+            os.unlink(os.path.join(self.dir, name))
+            self.hooks.kill_node(node)
+
+    # -- heartbeats: worker exits and hangs
+
+    def check_heartbeats(self) -> None:
+        now = time.time()
+        self._read_beats()
+        stale = []
+        for rank, (step, t, pid, attempt) in sorted(self.beats.items()):
+            if pid in self.seen_exit:
+                continue
+            if not alive(pid):
+                self.seen_exit.add(pid)
+                self.timeline.add(
+                    "worker_exit",
+                    f"rank {rank} (pid {pid}, attempt {attempt}) exited; "
+                    f"last heartbeat at step {step}",
+                    rank=rank,
+                    pid=pid,
+                    step=step,
+                )
+            elif (
+                self.timeout
+                and now - self.hooks.since(t, attempt) > self.timeout
+                and pid not in self.ignored
+            ):
+                stale.append(Stale(step, t, rank, pid))
+        if stale and time.monotonic() - self.last_kill > self.timeout:
+            self.hooks.on_hang(stale, now)
+
+    def _read_beats(self) -> None:
+        for name in os.listdir(self.dir):
+            if not name.startswith(contract.HEARTBEAT_PREFIX):
+                continue
+            try:
+                with open(os.path.join(self.dir, name)) as f:
+                    step_s, t_s, pid_s, attempt_s = f.read().split()
+                beat = Beat(int(step_s), float(t_s), int(pid_s), int(attempt_s))
+            except (OSError, ValueError):
+                continue  # being written for the first time
+            self.beats[int(name[len(contract.HEARTBEAT_PREFIX) :])] = beat

@@ -1,0 +1,111 @@
+"""The training job that tests/test_launcher.py and tests/test_inprocess.py run under
+`unbroken run`: DDP on 2 gloo ranks (CPU), deterministic, its data a function of the step,
+so that a run with faults must end bitwise equal to one without.
+
+    python train_job.py --ckpt DIR --out DIR --steps N --save-every K [--replicas R]
+                        [--in-process]
+
+Each start (each attempt, or each generation with ``--in-process``) appends one JSON
+line to ``OUT/starts.jsonl``: the rank, its pid, the attempt or generation it was started
+for and the one it runs in, its node, the step restored and where every rank's state
+came from (``origins``, kinds by rank, from `Checkpointer.last_restore`). At the end each
+rank writes its parameters' bytes to ``OUT/final-<rank>.bin``.
+
+Without ``--in-process`` the job joins a process group once (`unbroken.run.init_process_group`);
+with it, `unbroken.run.in_process` runs ``train`` again after a peer fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import unbroken
+import unbroken.run
+from unbroken.run import contract, worker
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--save-every", type=int, required=True)
+    p.add_argument("--replicas", type=int, default=0)
+    p.add_argument("--in-process", action="store_true", help="train under in_process")
+    return p.parse_args()
+
+
+def train(args: argparse.Namespace) -> None:
+    """One attempt (or generation): build, restore, train to the end, write the result."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    progress = unbroken.Progress(step=0)
+    state = {"model": model, "optim": optim, "progress": progress}
+    memory_dir = os.environ.get(contract.MEMORY_DIR_ENV, contract.DEFAULT_MEMORY_ROOT)
+    ckpt = unbroken.Checkpointer(
+        args.ckpt,
+        memory=True,
+        memory_dir=memory_dir,
+        replicas=args.replicas,
+        timeout=60.0 if args.in_process else 600.0,  # 600: the default
+    )
+    restored = ckpt.restore(state)
+    record_start(args.out, rank, restored, ckpt.last_restore)
+    while progress.step < args.steps:
+        step = progress.step + 1
+        g = torch.Generator().manual_seed(1000 * step + rank)  # the data depends on the step
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = (model(x) - y).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        progress.step = step
+        time.sleep(0.02)  # a step long enough for faults to land mid-run
+        unbroken.run.tick(step)
+        ckpt.snapshot(step, state)
+        if step % args.save_every == 0:
+            ckpt.save(step, state)
+    ckpt.close()
+    with open(os.path.join(args.out, f"final-{rank}.bin"), "wb") as f:
+        for t in model.state_dict().values():
+            f.write(t.numpy().tobytes())
+
+
+def record_start(out: str, rank: int, restored: int | None, how: unbroken.Restored | None) -> None:
+    record = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "attempt": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),  # started for
+        "seen_generation": worker.current().attempt,  # runs in (in-process: may be later)
+        "node": os.environ.get(contract.NODE_ENV),
+        "restored": restored,
+        "origins": None if how is None else [o.kind for o in how.origins],
+    }
+    with open(os.path.join(out, "starts.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    if args.in_process:
+        unbroken.run.in_process(lambda: train(args), timeout_s=30)
+        return
+    unbroken.run.init_process_group("gloo", timeout_s=60)
+    train(args)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
