@@ -163,6 +163,17 @@ def test_killed_node_is_replaced_and_the_run_finishes_bitwise(tmp_path, referenc
 # -- fault specs and the command line ---------------------------------------------------
 
 
+def test_a_training_script_finds_its_calls_in_unbroken_run():
+    from unbroken.run import inprocess
+
+    assert sorted(unbroken.run.__all__) == sorted(
+        ["init_process_group", "tick", "event", "in_process", "InProcessError"]
+    )
+    assert unbroken.run.tick is worker.tick and unbroken.run.in_process is inprocess.in_process
+    assert unbroken.run.init_process_group is worker.init_process_group
+    assert issubclass(unbroken.run.InProcessError, RuntimeError)
+
+
 def test_fault_specs_parse():
     assert faults.parse("kill rank=1 step=40; hang rank=0 step=60 ;kill-node node=1 step=80") == [
         Fault("kill", 1, 40, 0),

@@ -51,9 +51,9 @@ _TAKES_VALUE = {"--inject-fault", "--heartbeat-timeout", "--simulate-nodes", "--
 _FLAGS = {"--in-process", "--warm-spare"}
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RunOptions:
-    """A checked ``unbroken run`` command line."""
+    """A checked ``unbroken run`` command line (`parse` makes one)."""
 
     ours: argparse.Namespace  # our options, parsed
     torchrun_opts: list[str]  # torchrun's, as given
@@ -172,7 +172,14 @@ def parse(argv: list[str]) -> RunOptions:
     if ours.simulate_nodes is not None:
         _check_simulation(parser, ours.simulate_nodes, torchrun_opts, targs)
     _check_targets(parser, faults, ours.simulate_nodes, nproc, targs)
-    return RunOptions(ours, torchrun_opts, script, faults, targs.max_restarts, nproc)
+    return RunOptions(
+        ours=ours,
+        torchrun_opts=torchrun_opts,
+        script=script,
+        faults=faults,
+        max_restarts=targs.max_restarts,
+        nproc_per_node=nproc,
+    )
 
 
 def _check_simulation(

@@ -3,7 +3,7 @@
 
     unbroken run [unbroken options] [torchrun options] train.py [args]
 
-`drive` holds the one poll loop both modes share: the launch's `Watch` looks at the
+`loop` is the one poll loop both modes share: the launch's `Watch` looks at the
 heartbeat directory, the launch acts on what changed, and a stop (a signal, or a launch
 giving up) escalates from the signal to SIGKILL after `STOP_GRACE_S`.
 """
@@ -82,7 +82,7 @@ def drive(opts: RunOptions, make: Callable[[str], Job], what: str) -> int:
         sigs = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
         old = {s: signal.signal(s, forward) for s in sigs}
         try:
-            code = run(job)
+            code = loop(job)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
@@ -93,7 +93,7 @@ def drive(opts: RunOptions, make: Callable[[str], Job], what: str) -> int:
     return code
 
 
-def run(job: Job) -> int:
+def loop(job: Job) -> int:
     """Start ``job`` and poll it until it is over; its exit code."""
     job.start()
     deadline = None
