@@ -4,7 +4,7 @@ With torchrun, any worker's death makes the elastic agent restart every worker. 
 launcher spawns the workers itself, one process per rank (``--nproc-per-node L`` on each
 of ``--simulate-nodes N`` simulated nodes, or one node), and hosts a TCPStore that
 outlives them all, holding a generation counter. When a worker dies (it crashed, the
-heartbeat watchdog found it hung, or a kill-node fault took its whole node and its
+heartbeat watchdog killed it as hung, or a kill-node fault took its whole node and its
 shared memory), the supervisor bumps the generation and respawns only the dead ranks, with
 the same rank numbers. Before that it sets ``unbroken/abort-<g>`` in the store: the
 healthy ranks abort the generation's process groups, so their collectives fail at once
