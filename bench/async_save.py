@@ -24,9 +24,9 @@ disk speed on this VM varies a lot between runs, so best and median are both rep
 
 from __future__ import annotations
 
-import argparse
 import logging
 import shutil
+from dataclasses import replace
 
 import torch.multiprocessing as mp
 
@@ -35,9 +35,8 @@ from async_save_report import report
 from async_save_run import worker
 from common import (
     DiskConfig,
-    disk_workdir,
+    disk_config,
     free_port,
-    need_free,
     print_result,
     read_back,
     run_ranks,
@@ -48,18 +47,14 @@ logging.disable(logging.INFO)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--mib-per-rank", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5, help="the first call + steady state")
-    parser.add_argument("--dir", help="on a real disk (default: a temp dir under /tmp or the repo)")
-    args = parser.parse_args()
-    if args.mib_per_rank < 16 or args.ranks < 1 or args.repeats < 2:
-        parser.error("need --mib-per-rank >= 16, --ranks >= 1, --repeats >= 2")
-
-    workdir = disk_workdir(parser, args.dir, "unbroken-async-")
-    cfg = DiskConfig(args.ranks, args.mib_per_rank, args.repeats, workdir, free_port())
-    need_free(parser, workdir, cfg.total_bytes * 4 * 1.1)  # a few saves on disk at once, at most
+    cfg = disk_config(
+        __doc__.split("\n\n")[0],
+        repeats_help="the first call + steady state",
+        min_repeats=2,
+        prefix="unbroken-async-",
+        copies=lambda repeats: 4,  # a few saves on disk at once, at most
+    )
+    workdir = cfg.dir
     try:
         run_ranks(worker, (cfg,), cfg.ranks)
         raw = read_back(workdir)
@@ -79,7 +74,7 @@ def measure_memory(cfg: DiskConfig) -> dict[str, list[dict[str, object]]]:
     spawned = [
         mp.spawn(
             memory_worker,
-            args=(DiskConfig(cfg.ranks, cfg.mib_per_rank, cfg.repeats, cfg.dir, port), method),
+            args=(replace(cfg, port=port), method),
             nprocs=cfg.ranks,
             join=False,
         )

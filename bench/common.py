@@ -343,9 +343,32 @@ def disk_workdir(parser: argparse.ArgumentParser, where: str | None, prefix: str
     return tempfile.mkdtemp(prefix=prefix, dir=parent)
 
 
-def need_free(parser: argparse.ArgumentParser, workdir: str, need: float) -> None:
+def disk_config(
+    description: str,
+    *,
+    repeats_help: str,
+    min_repeats: int,
+    prefix: str,
+    copies: Callable[[int], int],
+) -> DiskConfig:
+    """The command line of a disk benchmark (bench/save_load.py, bench/async_save.py): 2
+    ranks x 512 MiB and 5 repeats by default, in a fresh work directory ``prefix``* on a
+    disk with room for ``copies(repeats)`` copies of all ranks' state."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--mib-per-rank", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5, help=repeats_help)
+    parser.add_argument("--dir", help="on a real disk (default: a temp dir under /tmp or the repo)")
+    args = parser.parse_args()
+    if args.mib_per_rank < 16 or args.ranks < 1 or args.repeats < min_repeats:
+        parser.error(f"need --mib-per-rank >= 16, --ranks >= 1, --repeats >= {min_repeats}")
+
+    workdir = disk_workdir(parser, args.dir, prefix)
+    cfg = DiskConfig(args.ranks, args.mib_per_rank, args.repeats, workdir, free_port())
+    need = cfg.total_bytes * copies(cfg.repeats) * 1.1
     if shutil.disk_usage(workdir).free < need:
         parser.error(f"{workdir} needs {need / GIB:.1f} GiB free")
+    return cfg
 
 
 def print_result(result: dict[str, Any]) -> None:

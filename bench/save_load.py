@@ -16,7 +16,6 @@ on this shared VM interference only ever slows a run down (medians are in the RE
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -38,17 +37,15 @@ from common import (
     TARGET_OF_LIMIT,
     DiskConfig,
     as_bytes,
-    disk_workdir,
+    disk_config,
     evict,
     flat_views,
-    free_port,
     fresh_dir,
     fsync_dir,
     hand_back,
     join_gloo,
     leave_group,
     make_state,
-    need_free,
     new_table,
     print_result,
     raw_read,
@@ -306,19 +303,14 @@ def print_table(cfg: DiskConfig, rows: list[Row], reads: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--mib-per-rank", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5, help="the best is reported")
-    parser.add_argument("--dir", help="on a real disk (default: a temp dir under /tmp or the repo)")
-    args = parser.parse_args()
-    if args.mib_per_rank < 16 or args.ranks < 1 or args.repeats < 1:
-        parser.error("need --mib-per-rank >= 16, --ranks >= 1, --repeats >= 1")
-
-    workdir = disk_workdir(parser, args.dir, "unbroken-bench-")
-    cfg = DiskConfig(args.ranks, args.mib_per_rank, args.repeats, workdir, free_port())
-    # room for one copy per method in flight plus every unbroken step
-    need_free(parser, workdir, cfg.total_bytes * (3 + cfg.repeats) * 1.1)
+    cfg = disk_config(
+        __doc__.split("\n\n")[0],
+        repeats_help="the best is reported",
+        min_repeats=1,
+        prefix="unbroken-bench-",
+        copies=lambda repeats: 3 + repeats,  # one per method in flight, every unbroken step
+    )
+    workdir = cfg.dir
     try:
         run_ranks(worker, (cfg,), cfg.ranks)
         raw = read_back(workdir)
