@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import statistics
@@ -106,22 +105,33 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x.flip(1))  # a fixed function to learn: the loss goes down
 
 
-def train(
-    args: argparse.Namespace, log: Events, messages: list[str], state: dict[str, Any]
-) -> None:
+def train(args: argparse.Namespace, log: Events, state: dict[str, Any]) -> None:
     """One generation of the training loop on the default process group, which
     `unbroken.inprocess.run` set up."""
     log.call += 1
-    rank = dist.get_rank()
-    messages.clear()
-    model, optim, progress = state["model"], state["optim"], state["progress"]
+    model = state["model"]
     memory = args.memory_every > 0
     ckpt = unbroken.Checkpointer(
         args.ckpt, memory=memory, replicas=args.replicas, keep=2, timeout=120
     )
     params = sum(p.numel() for p in model.parameters())
     log("setup_done", state_mib=12 * params / MIB)
+    restored = restore(args, log, ckpt, state)
+    if restored is None:
+        torch.manual_seed(0)
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+    loss = loop(args, log, ckpt, state, Parallel(model, sync=restored is None), restored)
+    ckpt.close()
+    log("done", step=state["progress"].step, loss=loss.item())
 
+
+def restore(
+    args: argparse.Namespace, log: Events, ckpt: unbroken.Checkpointer, state: dict[str, Any]
+) -> int | None:
+    """Restore the newest state wherever the Checkpointer finds it (after evicting the
+    checkpoint's pages with --cold); log where every rank's state came from."""
     evict_s, resident = 0.0, None
     if args.cold:
         from save_load import evict
@@ -136,22 +146,34 @@ def train(
     dist.barrier()
     log("restore_start")
     restored = ckpt.restore(state)
-    source = None
-    if restored is not None:
-        source = "disk"
-        if any("shared memory" in m for m in messages):
-            source = "shared memory"
-        peers = [m for m in messages if "from peer replicas" in m]
-        if peers:  # logged on every rank: which ranks got theirs from a peer
-            source += ", peer replicas for ranks " + peers[-1].rsplit("ranks ", 1)[-1]
+    source = None if ckpt.last_restore is None else source_of(ckpt.last_restore)
     log("restore_end", restored=restored, source=source, evict_s=evict_s, resident=resident)
-    if restored is None:
-        torch.manual_seed(0)
-        for module in model.modules():
-            if isinstance(module, nn.Linear):
-                module.reset_parameters()
-    net = Parallel(model, sync=restored is None)
+    return restored
 
+
+def source_of(restored: unbroken.Restored) -> str:
+    """ "disk", or "shared memory" when the step came from the memory tiers (every rank's
+    own node or a peer's replica), naming the ranks that got theirs from a peer."""
+    kinds = [origin.kind for origin in restored.origins]
+    if all(kind == "storage" for kind in kinds):
+        return "disk"
+    peers = [rank for rank, kind in enumerate(kinds) if kind == "replica"]
+    return "shared memory" + (f", peer replicas for ranks {peers}" if peers else "")
+
+
+def loop(
+    args: argparse.Namespace,
+    log: Events,
+    ckpt: unbroken.Checkpointer,
+    state: dict[str, Any],
+    net: Parallel,
+    restored: int | None,
+) -> torch.Tensor:
+    """Train up to --steps: a snapshot every --memory-every steps, a disk save every
+    --save-every, the steady-state figures logged at each disk save; return the last loss."""
+    rank = dist.get_rank()
+    optim, progress = state["optim"], state["progress"]
+    memory = args.memory_every > 0
     step_s: list[float] = []  # since the last disk save
     snapshot_s: list[float] = []
     loss = torch.tensor(float("nan"))
@@ -186,8 +208,7 @@ def train(
                 save_s=time.perf_counter() - started,
             )
             step_s, snapshot_s = [], []
-    ckpt.close()
-    log("done", step=progress.step, loss=loss.item())
+    return loss
 
 
 def main() -> None:
@@ -202,14 +223,6 @@ def main() -> None:
     p.add_argument("--cold", action="store_true", help="evict the checkpoint before restore")
     args = p.parse_args()
     torch.set_num_threads(1)
-    messages: list[str] = []  # the Checkpointer logs where it restored from
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    logging.getLogger("unbroken").addHandler(Keep())
-    logging.getLogger("unbroken").setLevel(logging.INFO)
     log = Events(args.out)
     # Built without values (as large models are), then given memory: a restore fills
     # it or, on a fresh start, train() initialises it.
@@ -223,7 +236,7 @@ def main() -> None:
     }
     # Under `unbroken run --in-process`, train() runs again in this process after a peer
     # fails; otherwise this is init_process_group, then train() once.
-    inprocess.run(lambda: train(args, log, messages, state), timeout_s=120)
+    inprocess.run(lambda: train(args, log, state), timeout_s=120)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""The scenarios of bench/recovery.py: the run's settings, and for each scenario the fault
+it injects, the memory tiers its job keeps and the launcher options it runs under."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PHASES = [
+    ("detect", "detect"),
+    ("restart", "restart"),
+    ("startup", "startup"),
+    ("pg_init", "PG init"),
+    ("setup", "setup"),
+    ("restore", "restore"),
+    ("first_step", "first step"),
+]
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    nodes: int
+    nproc_per_node: int
+    mib_per_rank: float
+    save_every: int
+    fault_step: int
+    memory_every: int
+    steps_after: int
+    heartbeat_timeout: float
+    scaling_ranks: tuple[int, ...]
+    scaling_repeats: int
+    dir: str
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    @property
+    def steps(self) -> int:
+        return self.fault_step + self.steps_after
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str
+    short: str  # for the table
+    label: str
+    fault: str
+    memory_every: int
+    replicas: int
+    cold: bool = False
+    launcher: tuple[str, ...] = ()  # options of `unbroken run` beyond the common ones
+
+    @property
+    def in_process(self) -> bool:
+        return "--in-process" in self.launcher
+
+
+def scenarios(cfg: RecoveryConfig) -> list[Scenario]:
+    kill = f"kill rank=1 step={cfg.fault_step}"
+    node = f"kill-node node={cfg.nodes - 1} step={cfg.fault_step}"
+    every = cfg.memory_every
+    return [
+        Scenario(
+            "a",
+            "(a) traditional: restart all, last disk checkpoint, cold cache",
+            "(a) traditional: restart all workers, reload the last disk checkpoint, cold cache",
+            kill,
+            memory_every=0,
+            replicas=0,
+            cold=True,
+        ),
+        Scenario(
+            "b",
+            "(b) restart all, own shared memory",
+            "(b) unbroken: restart all workers, restore from own shared memory",
+            kill,
+            memory_every=every,
+            replicas=0,
+        ),
+        Scenario(
+            "c",
+            "(c) node lost: in-process, warm spares",
+            "(c) unbroken: node lost, in-process recovery (healthy ranks stay up and roll back "
+            "from their own memory; warm spares take the lost node's ranks and pull their "
+            "state from peer replicas)",
+            node,
+            memory_every=every,
+            replicas=1,
+            launcher=("--in-process", "--warm-spare"),
+        ),
+        Scenario(
+            "d",
+            "(d) node lost: restart all, peer replicas",
+            "(d) unbroken's fallback: node lost, restart all workers, restore from own memory "
+            "+ peer replicas",
+            node,
+            memory_every=every,
+            replicas=1,
+        ),
+        Scenario(
+            "e",
+            "(e) node lost: in-process, cold replacements",
+            "(e) as (c) without warm spares: the lost node's ranks start as new processes",
+            node,
+            memory_every=every,
+            replicas=1,
+            launcher=("--in-process",),
+        ),
+    ]
