@@ -64,7 +64,7 @@ from recovery_jobs import run_scenario
 from recovery_report import report
 from recovery_scaling import run_scaling
 from recovery_scenarios import RecoveryConfig, scenarios
-from unbroken.launcher import SIM_MEMORY_ROOT
+from unbroken.run.contract import SIM_MEMORY_ROOT
 
 
 def shm_entries() -> set[str]:

@@ -7,7 +7,7 @@ synchronous); with --memory-every N > 0, a shared-memory snapshot every N steps 
 and --replicas copies on peers of other nodes (tier 1). It restores at start, from
 wherever the Checkpointer finds the newest state, after evicting the checkpoint's pages
 from the page cache with --cold. Under ``unbroken run --in-process`` a healthy rank runs
-the loop again, in the same process, after a peer fails (`unbroken.inprocess.run`).
+the loop again, in the same process, after a peer fails (`unbroken.run.in_process`).
 
 Each process appends JSON lines (wall-clock ``t``) to ``--out/events-<rank>-<pid>.jsonl``;
 the bench reads them next to the launcher's timeline.
@@ -29,7 +29,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import unbroken
-from unbroken import faults, inprocess
+from unbroken import run
+from unbroken.run import contract
 
 EXPERTS = 8
 IO = 64  # input and output features
@@ -45,7 +46,7 @@ class Events:
 
     def __init__(self, out: str) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
-        self.node = os.environ.get(faults.NODE_ENV)
+        self.node = os.environ.get(contract.NODE_ENV)
         self.path = os.path.join(out, f"events-{self.rank}-{os.getpid()}.jsonl")
         self.call = -1
 
@@ -107,7 +108,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train(args: argparse.Namespace, log: Events, state: dict[str, Any]) -> None:
     """One generation of the training loop on the default process group, which
-    `unbroken.inprocess.run` set up."""
+    `unbroken.run.in_process` set up."""
     log.call += 1
     model = state["model"]
     memory = args.memory_every > 0
@@ -192,7 +193,7 @@ def loop(
             log("step_done", step=step)  # a restarted process: when it is back where it was
         elif len(step_s) == 1:
             log("loss", step=step, loss=loss.item())
-        faults.tick(step)  # heartbeat, and the injected fault, after the step completes
+        run.tick(step)  # heartbeat, and the injected fault, after the step completes
         if memory and step % args.memory_every == 0:
             started = time.perf_counter()
             ckpt.snapshot(step, state)
@@ -236,7 +237,7 @@ def main() -> None:
     }
     # Under `unbroken run --in-process`, train() runs again in this process after a peer
     # fails; otherwise this is init_process_group, then train() once.
-    inprocess.run(lambda: train(args, log, state), timeout_s=120)
+    run.in_process(lambda: train(args, log, state), timeout_s=120)
 
 
 if __name__ == "__main__":
