@@ -113,8 +113,8 @@ def _read(storage: Storage, folder: str, key: str, file: str, start: int, out: m
         storage.read_into(f"{folder}/{file}", start, out)
     except FileNotFoundError:
         raise CheckpointError(
-            f"{folder}/{file} disappeared while tensor {key!r} was being read from it; "
-            "something removed the checkpoint during the restore"
+            f"{folder}/{file} disappeared while tensor {key!r} was being read from it: "
+            "something removed it during the restore"
         ) from None
     except EOFError:
         raise CorruptCheckpointError(

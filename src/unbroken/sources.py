@@ -242,7 +242,7 @@ class ReplicaSource:
             replicas.wait(replicas.receive(self.comm, manifest, self.provider, into))
         except RuntimeError as e:  # gloo: the provider died, or the transfer timed out
             raise CheckpointError(
-                f"{self.where} did not arrive: {e}. Its provider failed during the restore; "
+                f"{self.where} disappeared during the transfer ({e}): its provider failed; "
                 "restore again (from storage if the replica is gone)"
             ) from e
         for key, chunk, data, region in arriving:
