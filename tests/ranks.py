@@ -6,7 +6,7 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
@@ -41,11 +41,19 @@ def _worker(
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 90) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world: int = 2,
+    timeout: float = 90,
+    exits: Collection[int] = (),
+) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned processes; their results by rank.
 
     Raises AssertionError with the rank's traceback if any rank fails, and kills every
-    rank if they have not all finished within ``timeout`` seconds."""
+    rank if they have not all finished within ``timeout`` seconds. The ranks in
+    ``exits`` are expected to end their process instead of returning (a test of a peer
+    that dies): their result is None."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -55,10 +63,10 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float
     ]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
+    results: dict[int, Any] = dict.fromkeys(exits)
     errors: list[str] = []
     try:
-        for _ in range(world):
+        for _ in range(world - len(results)):
             rank, status, value = queue.get(timeout=timeout)
             if status == "ok":
                 results[rank] = value

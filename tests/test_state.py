@@ -14,12 +14,14 @@ def test_public_api_is_small_and_importable():
         "CheckpointError",
         "Checkpointer",
         "CorruptCheckpointError",
+        "Origin",
         "PendingSave",
         "Progress",
         "RNGState",
+        "Restored",
         "Stateful",
     ]
-    from unbroken import Checkpointer, RNGState  # noqa: F401
+    from unbroken import Checkpointer, Origin, Restored, RNGState  # noqa: F401
 
 
 def test_capture_roundtrips_tuples_int_keys_and_tensors():

@@ -6,9 +6,10 @@
 >>> step = ckpt.restore(state)
 """
 
-from unbroken.checkpointer import Checkpointer, PendingSave
+from unbroken.background import PendingSave
+from unbroken.checkpointer import Checkpointer
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.restoring import Origin, Restored
+from unbroken.sources import Origin, Restored
 from unbroken.state import Progress, RNGState, Stateful
 
 __all__ = [

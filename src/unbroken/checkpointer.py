@@ -3,62 +3,36 @@ synchronously or in the background."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import queue
 import socket
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from concurrent import futures
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch.distributed as dist
 
 from unbroken import abort, replicas, restoring, saving
+from unbroken.background import PendingSave, SaveThread
+from unbroken.background import wait_for as _wait
+from unbroken.directory import Directory
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
-from unbroken.format import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
-from unbroken.memory import MemoryTier, partners
+from unbroken.format import Manifest
+from unbroken.memory import MemoryTier
+from unbroken.memory import replica_layout as layout
+from unbroken.options import Options
 from unbroken.run import contract, worker
+from unbroken.sources import Restored
 from unbroken.staging import Stager
 from unbroken.storage import Storage, open_storage
 
 log = logging.getLogger("unbroken")
-T = TypeVar("T")
-
-
-class PendingSave:
-    """A save under way. ``wait()`` returns True once it is committed, False if it was
-    skipped (see ``if_busy``), and raises what made it fail."""
-
-    def __init__(self, step: int, future: Future[bool], seen: Callable[[int], None]) -> None:
-        self.step = step
-        self._future = future
-        self._seen = seen
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        try:
-            if timeout is None:
-                _wait([self._future], f"waiting for the save of step {self.step}")
-            return self._future.result(timeout)
-        except TimeoutError:
-            raise
-        except BaseException:
-            self._seen(self.step)  # raised here: the next save() need not raise it again
-            raise
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"PendingSave(step={self.step}, {state})"
 
 
 class Checkpointer:
@@ -120,29 +94,18 @@ class Checkpointer:
         memory_dir: str | None = None,
         job: str | None = None,
     ) -> None:
-        if keep is not None and keep < 1:
-            raise ValueError(f"keep={keep}: keep at least 1 checkpoint, or None to keep all")
-        if io_threads < 1:
-            raise ValueError(f"io_threads={io_threads}: at least one thread must write")
-        if staging_buffers < 1:
-            raise ValueError(f"staging_buffers={staging_buffers}: background saves need one")
-        if if_busy not in ("wait", "skip"):
-            raise ValueError(f"if_busy={if_busy!r}: choose 'wait' or 'skip'")
-        if on_error not in ("raise", "warn"):
-            raise ValueError(f"on_error={on_error!r}: choose 'raise' or 'warn'")
-        if replicas < 0 or (replicas and not memory):
-            raise ValueError(f"replicas={replicas}: replicas need memory=True, and are >= 0")
-        if replicated_reads not in ("each", "broadcast", "slice"):
-            raise ValueError(
-                f"replicated_reads={replicated_reads!r}: choose 'each', 'broadcast' or 'slice'"
-            )
+        Options(
+            keep=keep, io_threads=io_threads, staging_buffers=staging_buffers, if_busy=if_busy,
+            on_error=on_error, replicated_reads=replicated_reads, memory=memory,
+            replicas=replicas,
+        )  # fmt: skip
         self.path = os.fspath(path)
         self.keep = keep
         self.io_threads = io_threads
         self.if_busy = if_busy
         self.on_error = on_error
         self.replicated_reads = replicated_reads
-        self.storage: Storage = open_storage(self.path, storage_options)
+        self.storage = open_storage(self.path, storage_options)
         self._comm = Comm(process_group, timedelta(seconds=timeout))
         self._stager = Stager(staging_buffers)
         self._memory: MemoryTier | None = None
@@ -150,88 +113,61 @@ class Checkpointer:
         self._replica_sources: list[int] = []  # ranks this rank keeps replicas of
         self._replicating: Future[Any] | None = None
         if memory:
-            name = job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{self.path}"
-            root = (
-                memory_dir
-                or os.environ.get(contract.MEMORY_DIR_ENV)
-                or contract.DEFAULT_MEMORY_ROOT
-            )
-            self._memory = MemoryTier(root, name, self.rank, self._comm.world_size)
-        if replicas:
-            # A node is what torchrun calls one (its node rank), or a simulated one.
-            node = os.environ.get(contract.NODE_ENV) or os.environ.get("GROUP_RANK")
-            nodes = self._comm.all_gather(f"{socket.gethostname()}/{node}")
-            world = range(self._comm.world_size)
-            self._replica_partners = partners(nodes, self.rank, replicas)
-            self._replica_sources = [r for r in world if self.rank in partners(nodes, r, replicas)]
-        # One worker persists saves in order: every rank then issues the same collectives
+            self._open_memory(memory_dir, job, replicas)
+        # One thread persists saves in order: every rank then issues the same collectives
         # in the same order on the checkpointer's own group, never the training loop's.
-        self._worker = _Worker()
+        self._worker = SaveThread()
         self._pending: list[PendingSave] = []
         self._failure: tuple[int, BaseException] | None = None
         self._lock = threading.Lock()
         self._closed = False
         # The outcome of the last `restore`: its step and where each rank's state came
         # from (None: none yet, or it found nothing to restore).
-        self.last_restore: restoring.Restored | None = None
+        self.last_restore: Restored | None = None
         _at_exit(self)
         abort.register(self)
+
+    def _open_memory(self, memory_dir: str | None, job: str | None, replicas: int) -> None:
+        """The shared-memory tier and, with ``replicas``, who keeps replicas of whom."""
+        name = job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{self.path}"
+        root = memory_dir or os.environ.get(contract.MEMORY_DIR_ENV) or contract.DEFAULT_MEMORY_ROOT
+        self._memory = MemoryTier(root, name, self.rank, self._comm.world_size)
+        if replicas:
+            # A node is what torchrun calls one (its node rank), or a simulated one.
+            node = os.environ.get(contract.NODE_ENV) or os.environ.get("GROUP_RANK")
+            nodes = self._comm.all_gather(f"{socket.gethostname()}/{node}")
+            self._replica_partners, self._replica_sources = layout(nodes, self.rank, replicas)
 
     @property
     def rank(self) -> int:
         return self._comm.rank
 
-    # -- reading the directory -------------------------------------------------------
+    # -- the directory -------------------------------------------------------------
+
+    @property
+    def storage(self) -> Storage:
+        """Where the checkpoints live; a replacement (a wrapper, in tests) is used from
+        the next save or restore on."""
+        return self._directory.storage
+
+    @storage.setter
+    def storage(self, storage: Storage) -> None:
+        self._directory = Directory(storage, self.path)
+
+    def _restore_context(self) -> restoring.RestoreContext:
+        return restoring.RestoreContext(
+            comm=self._comm, directory=self._directory, io_threads=self.io_threads,
+            replicated_reads=self.replicated_reads, memory=self._memory,
+            replica_sources=tuple(self._replica_sources),
+        )  # fmt: skip
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first. Directories without a manifest are not listed."""
-        found = []
-        for name in self.storage.list(""):
-            step = parse_step_dir(name)
-            if step is not None and self._committed(name):
-                found.append(step)
-        return sorted(found)
+        return self._directory.steps()
 
     def manifest(self, step: int | None = None) -> Manifest:
         """The manifest of ``step`` (default: the newest committed step)."""
-        if step is None:
-            steps = self.steps()
-            if not steps:
-                raise CheckpointError(f"{self.path} holds no committed checkpoint")
-            step = steps[-1]
-        where = f"{self.path}/{step_dir(step)}/{MANIFEST}"
-        try:
-            data = self.storage.read(f"{step_dir(step)}/{MANIFEST}")
-        except FileNotFoundError:
-            have = self.steps()
-            raise CheckpointError(
-                f"{self.path} has no committed checkpoint for step {step}; committed steps: "
-                f"{_summary(have)}"
-            ) from None
-        manifest = Manifest.from_json(data, where)
-        if manifest.step != step:
-            raise CheckpointError(f"{where} says it is step {manifest.step}, not {step}")
-        return manifest
-
-    def _latest(self) -> int | None:
-        """The newest committed step, from the ``latest`` pointer (no listing, which is
-        slow and throttled on object stores); by listing if the pointer is absent or
-        points at a step that is gone."""
-        try:
-            step = int(json.loads(self.storage.read(LATEST))["step"])
-            if self._committed(step_dir(step)):
-                return step
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            pass
-        steps = self.steps()
-        return steps[-1] if steps else None
-
-    def _committed(self, folder: str) -> bool:
-        try:
-            self.storage.size(f"{folder}/{MANIFEST}")
-            return True
-        except FileNotFoundError:
-            return False
+        return self._directory.manifest(step)
 
     # -- save ------------------------------------------------------------------------
 
@@ -254,9 +190,7 @@ class Checkpointer:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
         worker.tick(step)
         self._surface_failure()
-        arena = None
-        if not blocking:
-            arena = self._stager.acquire(wait=self.if_busy == "wait")
+        arena = None if blocking else self._stager.acquire(wait=self.if_busy == "wait")
         try:
             if arena is None and not blocking:
                 log.info("rank %d: skipping step %d, a save is persisting", self.rank, step)
@@ -286,7 +220,11 @@ class Checkpointer:
         """Runs on the worker. A background failure is logged at once and kept for the
         next `save` or `wait`; a blocking one is raised to the caller only."""
         try:
-            return saving.persist(self, staged)
+            context = saving.SaveContext(
+                comm=self._comm, directory=self._directory, io_threads=self.io_threads,
+                keep=self.keep,
+            )  # fmt: skip
+            return saving.persist(context, staged)
         except BaseException as e:
             if background and not self._closed:  # abandoned: nobody is told any more
                 log.error("saving step %d failed: %s", staged.step, e)
@@ -348,8 +286,7 @@ class Checkpointer:
         blocks = zip(staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True)
         self._memory.write(step, list(blocks), staged.tree)
         if self._replica_partners or self._replica_sources:
-            memory = self._memory
-            self._replicating = self._worker.submit(self._replicate, memory, step)
+            self._replicating = self._worker.submit(self._replicate, self._memory, step)
 
     def _replicate(self, memory: MemoryTier, step: int) -> None:
         """Runs on the worker, like `_persist`; a failure is logged and kept for the next
@@ -383,7 +320,7 @@ class Checkpointer:
         """
         self._drain()
         worker.event("restore_start")
-        self.last_restore = restoring.restore(self, state, step, strict)
+        self.last_restore = restoring.restore(self._restore_context(), state, step, strict)
         restored = None if self.last_restore is None else self.last_restore.step
         worker.event("restore_done", step=restored)
         return restored
@@ -424,49 +361,6 @@ class Checkpointer:
         return f"Checkpointer({self.path!r}, rank={self.rank}/{self._comm.world_size})"
 
 
-class _Worker:
-    """One thread running the calls submitted to it in order, like a one-thread
-    ThreadPoolExecutor but a daemon: a Checkpointer abandoned by in-process recovery may
-    leave it stuck in a gloo operation until the group's timeout, which must not hold up
-    the process's exit. Saves still pending at exit are waited for by `_at_exit`."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
-        self._queue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="unbroken-save", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        future: Future[T] = Future()
-        self._queue.put((future, lambda: fn(*args)))
-        return future
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, call = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(call())
-                except BaseException as e:
-                    future.set_exception(e)
-
-    def shutdown(self, wait: bool = True, cancel: bool = False) -> None:
-        if cancel:
-            with contextlib.suppress(queue.Empty):
-                while (item := self._queue.get_nowait()) is not None:
-                    item[0].cancel()
-        self._queue.put(None)
-        if wait and self._thread is not threading.current_thread():
-            self._thread.join()
-
-
-def _wait(pending: list[Future[Any]], what: str) -> None:
-    """Wait for ``pending`` to finish; under in-process recovery, raise as soon as the
-    generation is aborted instead (see `unbroken.abort`)."""
-    while futures.wait(pending, abort.poll_s()).not_done:
-        abort.check(what)
-
-
 def _at_exit(ckpt: Checkpointer) -> None:
     """At interpreter exit, say so if a save is still persisting, then let it finish.
 
@@ -494,9 +388,3 @@ def _at_exit(ckpt: Checkpointer) -> None:
 
         register = atexit.register
     register(check)
-
-
-def _summary(steps: list[int]) -> str:
-    if not steps:
-        return "none"
-    return ", ".join(map(str, steps[-10:])) + (" ..." if len(steps) > 10 else "")

@@ -6,9 +6,7 @@ import argparse
 import datetime
 import os
 import sys
-from collections.abc import Iterator
 from functools import partial
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -21,10 +19,11 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from unbroken.checkpointer import Checkpointer
+from unbroken.directory import Directory
 from unbroken.errors import CheckpointError
 from unbroken.offline import consolidate, verify
-from unbroken.state import decode, tensor_keys
+from unbroken.state import leaves
+from unbroken.storage import open_storage
 
 # Wide enough for long tensor names when the output goes to a file or a pipe.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -81,21 +80,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _open(path: str) -> Checkpointer:
+def _open(path: str) -> Directory:
     if not os.path.exists(path) and "://" not in path:
         raise CheckpointError(f"{path} does not exist")
-    return Checkpointer(path)
+    return Directory(open_storage(path), path)
 
 
 def _ls(opts: argparse.Namespace) -> int:
-    ckpt = _open(opts.path)
-    steps = ckpt.steps()
+    directory = _open(opts.path)
+    steps = directory.steps()
     if not steps:
         console.print(f"{opts.path}: no committed checkpoints")
         return 0
     table = Table("step", "size", "tensors", "ranks", "saved", title=opts.path)
     for step in steps:
-        m = ckpt.manifest(step)
+        m = directory.manifest(step)
         table.add_row(
             str(step), _size(m.nbytes), str(len(m.tensors)), str(m.world_size), _time(m.created)
         )
@@ -121,7 +120,7 @@ def _show(opts: argparse.Namespace) -> int:
         )
     console.print(table)
     values = Table("key", "value", title="non-tensor state (rank 0)")
-    for path, value in _leaves(m.objects_for(0), ""):
+    for path, value in leaves(m.objects_for(0)):
         text = repr(value)
         values.add_row(path, text if len(text) <= 60 else text[:57] + "...")
     console.print(values)
@@ -131,15 +130,15 @@ def _show(opts: argparse.Namespace) -> int:
 
 
 def _verify(opts: argparse.Namespace) -> int:
-    ckpt = _open(opts.path)
-    steps = ckpt.steps() if opts.all else [ckpt.manifest(opts.step).step]
+    directory = _open(opts.path)
+    steps = directory.steps() if opts.all else [directory.manifest(opts.step).step]
     damaged = 0
     for step in steps:
-        m = ckpt.manifest(step)
+        m = directory.manifest(step)
         with _bar() as bar:
             total = sum(c.nbytes for e in m.tensors.values() for c in e.chunks)
             task = bar.add_task(f"step {step}", total=total)
-            damage = verify(ckpt, m, partial(bar.advance, task))
+            damage = verify(directory, m, partial(bar.advance, task))
         for d in damage:
             where = f"{d.file}" + (f", tensor {d.tensor!r}" if d.tensor else "")
             console.print(f"[red]DAMAGED[/red] step {step}: {where}: {d.problem}", highlight=False)
@@ -153,14 +152,14 @@ def _verify(opts: argparse.Namespace) -> int:
 def _export(opts: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
-    ckpt = _open(opts.path)
-    m = ckpt.manifest(opts.step)
+    directory = _open(opts.path)
+    m = directory.manifest(opts.step)
     dtype = getattr(torch, opts.dtype) if opts.dtype else None
     only = opts.only or ["model"]
     tensors: dict[str, torch.Tensor] = {}
     with _bar() as bar:
         task = bar.add_task(f"step {m.step}", total=None)
-        for name, tensor in consolidate(ckpt, m, only, dtype):
+        for name, tensor in consolidate(directory, m, only, dtype):
             tensors[name] = tensor
             bar.advance(task, tensor.nbytes)
     save_file(tensors, opts.out, metadata={"unbroken_step": str(m.step)})
@@ -179,24 +178,6 @@ def _bar() -> Progress:
         console=console,
         transient=True,
     )
-
-
-def _leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
-    """Non-tensor values of an encoded tree: dicts and anything holding tensors opened."""
-    value = decode(tree, {}) if tensor_keys(tree) == [] else None
-    if value is not None and (not isinstance(value, dict) or len(repr(value)) <= 60):
-        yield path, value
-    elif isinstance(tree, dict) and "__items__" in tree:
-        for key, value in tree["__items__"]:
-            yield from _leaves(value, f"{path}/{key}")
-    elif isinstance(tree, dict) and "__tensor__" not in tree:
-        items = tree.get("__tuple__", tree)
-        pairs = enumerate(items) if isinstance(items, list) else items.items()
-        for key, value in pairs:
-            yield from _leaves(value, f"{path}/{key}" if path else str(key))
-    elif isinstance(tree, list):
-        for i, value in enumerate(tree):
-            yield from _leaves(value, f"{path}/{i}")
 
 
 def _size(n: int) -> str:

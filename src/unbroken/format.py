@@ -65,6 +65,13 @@ def checksum(data: memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def verify_block(data: memoryview, expected: str, what: str, consequence: str = "") -> None:
+    """Raise `CorruptCheckpointError` ("<what> fails its checksum<consequence>") unless
+    ``data`` hashes to ``expected``: the one check every byte read or received passes."""
+    if checksum(data) != expected:
+        raise CorruptCheckpointError(f"{what} fails its checksum{consequence}")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPES[dtype]

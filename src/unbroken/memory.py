@@ -29,13 +29,11 @@ from typing import Any
 
 import torch
 
-from unbroken.errors import CheckpointError
-from unbroken.format import Chunk, Manifest, TensorEntry, checksum, dtype_name
-from unbroken.shards import byte_view
+from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.format import Chunk, Manifest, TensorEntry, checksum, dtype_name, verify_block
+from unbroken.shards import byte_view, packed
 
 log = logging.getLogger("unbroken")
-
-_ALIGN = 64
 
 
 class Slots:
@@ -115,22 +113,31 @@ class Slots:
                 found[manifest.step] = (slot, manifest)
         return found
 
-    def intact(self, step: int) -> Manifest | None:
-        """The manifest of the slot holding ``step`` if every block matches its
-        checksum, else None."""
+    def verified(self, step: int) -> Manifest:
+        """The manifest of the slot holding ``step``, once every block has matched its
+        checksum. `CheckpointError` if no whole slot holds it, `CorruptCheckpointError`
+        naming the first damaged tensor."""
         held = self.whole().get(step)
         if held is None:
-            return None
+            raise CheckpointError(f"{self.dir} holds no snapshot of step {step}")
         slot, manifest = held
         buffer = self._buffers.get(slot)
         buffer = buffer if buffer is not None else self._map(slot)
         for key, entry in manifest.tensors.items():
             chunk = entry.chunks[0]
-            if checksum(byte_view(buffer[chunk.start : chunk.end])) != chunk.xxh3:
-                where = self._path(slot, "bin")
-                log.warning("ignoring %s: tensor %r fails its checksum", where, key)
-                return None
+            view = byte_view(buffer[chunk.start : chunk.end])
+            verify_block(view, chunk.xxh3, f"{self._path(slot, 'bin')}: tensor {key!r}")
         return manifest
+
+    def intact(self, step: int) -> Manifest | None:
+        """`verified`, or None (saying why, if the copy is damaged)."""
+        try:
+            return self.verified(step)
+        except CorruptCheckpointError as e:
+            log.warning("ignoring %s", e)
+            return None
+        except CheckpointError:
+            return None
 
     def _load(self, slot: int) -> Manifest | None:
         where = self._path(slot, "json")
@@ -176,10 +183,7 @@ class MemoryTier:
     ) -> None:
         """Copy ``(key, local block, offsets, global shape)`` blocks and the JSON ``tree``
         into the own slot that does not hold the newest snapshot."""
-        starts, total = [], 0
-        for _, t, _, _ in blocks:
-            starts.append(total)
-            total += -(-t.nbytes // _ALIGN) * _ALIGN
+        starts, total = packed(t.nbytes for _, t, _, _ in blocks)
         slot, buffer = self.own.begin(total)
         file = f"slot-{slot}.bin"
         tensors = {}
@@ -244,6 +248,14 @@ def partners(nodes: Sequence[str], rank: int, copies: int) -> list[int]:
     return chosen
 
 
+def replica_layout(nodes: Sequence[str], rank: int, copies: int) -> tuple[list[int], list[int]]:
+    """The ranks that keep replicas of ``rank``'s snapshots (see `partners`), and those
+    whose snapshots ``rank`` keeps replicas of. Pure: ``nodes[r]`` names rank r's node."""
+    kept_by = partners(nodes, rank, copies)
+    keeps = [r for r in range(len(nodes)) if rank in partners(nodes, r, copies)]
+    return kept_by, keeps
+
+
 def _renamed(manifest: Manifest, file: str) -> str:
     for entry in manifest.tensors.values():
         for chunk in entry.chunks:
@@ -274,12 +286,12 @@ def _clean_abandoned(root: str, job: str) -> None:
                     pids.append(int(f.read()))
             except (OSError, ValueError):
                 continue
-        if pids and not any(_alive(pid) for pid in pids):
+        if pids and not any(_process_exists(pid) for pid in pids):
             log.info("removing shared memory of abandoned job %s", name)
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def _process_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
         return True

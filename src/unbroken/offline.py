@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unbroken.checkpointer import Checkpointer
+from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Manifest, step_dir
 from unbroken.shards import fill, read_chunk
@@ -27,7 +27,7 @@ class Damage:
 
 
 def verify(
-    ckpt: Checkpointer, manifest: Manifest, progress: Callable[[int], None] = lambda n: None
+    directory: Directory, manifest: Manifest, progress: Callable[[int], None] = lambda n: None
 ) -> list[Damage]:
     """Re-read every stored byte of ``manifest``'s step and check it; ``progress`` gets the
     number of bytes checked after each block. Returns what is damaged (empty if nothing)."""
@@ -36,7 +36,7 @@ def verify(
     broken_files: set[str] = set()
     for file, expected in sorted(manifest.files.items()):
         try:
-            size = ckpt.storage.size(f"{folder}/{file}")
+            size = directory.storage.size(f"{folder}/{file}")
         except FileNotFoundError:
             damage.append(Damage(file, None, "the file is missing"))
             broken_files.add(file)
@@ -50,7 +50,7 @@ def verify(
                 progress(chunk.nbytes)
                 continue
             try:
-                read_chunk(ckpt.storage, folder, key, entry, chunk)
+                read_chunk(directory.storage, folder, key, entry, chunk)
             except CorruptCheckpointError:
                 damage.append(Damage(chunk.file, key, "checksum mismatch"))
             progress(chunk.nbytes)
@@ -58,7 +58,7 @@ def verify(
 
 
 def consolidate(
-    ckpt: Checkpointer, manifest: Manifest, only: list[str], dtype: torch.dtype | None
+    directory: Directory, manifest: Manifest, only: list[str], dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Whole tensors of the state entries ``only``, named as an unwrapped module names them
     (``model/module.fc.weight`` becomes ``fc.weight``), floating ones cast to ``dtype``.
@@ -83,7 +83,7 @@ def consolidate(
             name = f"{prefix}{name}"
         chunks = [c for c in entry.chunks if c.ranks is None or 0 in c.ranks]
         whole = torch.empty(entry.shape, dtype=entry.torch_dtype)
-        fill(ckpt.storage, folder, key, entry, chunks, whole, [0] * len(entry.shape))
+        fill(directory.storage, folder, key, entry, chunks, whole, [0] * len(entry.shape))
         if dtype is not None and whole.is_floating_point():
             whole = whole.to(dtype)
         yield name, whole

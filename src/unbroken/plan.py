@@ -48,14 +48,16 @@ class Block:
 
 
 @dataclass(kw_only=True)
-class Plan:
+class WritePlan:
+    """Who writes which block of a save, and where each block goes in the manifest."""
+
     tensors: dict[str, TensorEntry]
     # writes[rank] lists the keys that rank writes; chunk_of[(rank, key)] is where it goes.
     writes: list[list[str]]
     chunk_of: dict[tuple[int, str], Chunk]
 
 
-def make_plan(blocks_by_rank: list[list[Block]]) -> Plan:
+def make_plan(blocks_by_rank: list[list[Block]]) -> WritePlan:
     """Deterministic: every rank computes the same plan from the same gathered input."""
     world = len(blocks_by_rank)
     tensors: dict[str, TensorEntry] = {}
@@ -101,4 +103,4 @@ def make_plan(blocks_by_rank: list[list[Block]]) -> Plan:
         chunk_of[writer, b.key] = chunk
     for entry in tensors.values():
         entry.chunks.sort(key=lambda c: (c.offsets, c.ranks or []))
-    return Plan(tensors=tensors, writes=writes, chunk_of=chunk_of)
+    return WritePlan(tensors=tensors, writes=writes, chunk_of=chunk_of)

@@ -44,11 +44,17 @@ def manifests(comm: Comm, memory: MemoryTier, step: int, plan: dict[int, int]) -
     """``plan`` maps each rank whose own copy of ``step`` is gone to the rank that holds
     its replica. Every provider publishes the replicas' manifests; returns this rank's
     (JSON), if it is one of the lost. Collective."""
-    offers = {
-        str(lost): memory.replica(lost).raw(step)[0]
-        for lost, provider in plan.items()
-        if provider == comm.rank
-    }
+
+    def offer() -> dict[str, str]:
+        return {
+            str(lost): memory.replica(lost).raw(step)[0]
+            for lost, provider in plan.items()
+            if provider == comm.rank
+        }
+
+    # Together: a provider that lacks the step fails every rank, rather than leaving
+    # the others waiting for its manifest.
+    offers = comm.together(f"sharing the replicas' manifests of step {step}", offer)
     published = comm.all_gather(offers)
     if comm.rank not in plan:
         return None

@@ -10,34 +10,35 @@ Persisting is collective. Its phases, each ending with every rank agreeing:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from unbroken.directory import Directory
+from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
-from unbroken.format import (
-    LATEST,
-    MANIFEST,
-    Manifest,
-    checksum,
-    dtype_name,
-    parse_step_dir,
-    step_dir,
-)
-from unbroken.plan import Block, make_plan
+from unbroken.format import Manifest, checksum, dtype_name, step_dir
+from unbroken.plan import Block, WritePlan, make_plan
 from unbroken.shards import byte_view, local_block, write_blocks
 from unbroken.staging import Arena
 from unbroken.state import capture
 
-if TYPE_CHECKING:
-    from unbroken.checkpointer import Checkpointer
-
 log = logging.getLogger("unbroken")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveContext:
+    """What persisting a save needs: the checkpointer's group, the directory it writes,
+    its writer threads per rank, and how many committed steps to keep (None: all)."""
+
+    comm: Comm
+    directory: Directory
+    io_threads: int
+    keep: int | None
 
 
 @dataclass(kw_only=True)
@@ -88,34 +89,11 @@ def failed(step: int, error: BaseException) -> Staged:
     return Staged(step=step, keys=[], blocks=[], offsets=[], shapes=[], tree={}, error=str(error))
 
 
-def persist(ckpt: Checkpointer, staged: Staged) -> bool:
+def persist(ctx: SaveContext, staged: Staged) -> bool:
     """Write and commit ``staged``; False if some rank skipped this step."""
     started = time.perf_counter()
-    comm, step, folder = ckpt._comm, staged.step, step_dir(staged.step)
-
-    def describe() -> list[Block]:
-        if staged.error is not None:
-            raise CheckpointError(staged.error)
-        if staged.ready is not None:
-            staged.ready.synchronize()
-        if comm.rank == 0 and not staged.skipped:
-            _clear(ckpt, step)
-        return [
-            Block(
-                key=key,
-                dtype=dtype_name(t.dtype),
-                shape=shape,
-                offsets=offsets,
-                local_shape=tuple(t.shape),
-                nbytes=t.nbytes,
-                xxh3=checksum(byte_view(t)),
-            )
-            for key, t, offsets, shape in zip(
-                staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True
-            )
-        ]
-
-    blocks = comm.together(f"saving step {step}", describe)
+    comm, step = ctx.comm, staged.step
+    blocks = comm.together(f"saving step {step}", lambda: _describe(ctx, staged))
     rows = comm.all_gather([step, staged.skipped, [b.to_json() for b in blocks]])
     if skippers := [rank for rank, row in enumerate(rows) if row[1]]:
         if comm.rank == 0:
@@ -136,72 +114,83 @@ def persist(ckpt: Checkpointer, staged: Staged) -> bool:
     to_write = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
     locations, sizes = comm.together(
         f"writing step {step}",
-        lambda: write_blocks(ckpt.storage, folder, comm.rank, to_write, ckpt.io_threads),
+        lambda: write_blocks(
+            ctx.directory.storage, step_dir(step), comm.rank, to_write, ctx.io_threads
+        ),
     )
     gathered = comm.all_gather([locations, sizes, staged.tree])
-
-    def commit() -> None:
-        if comm.rank != 0:
-            return
-        files: dict[str, int] = {}
-        trees: list[dict[str, Any]] = []
-        rank_objects: list[int] = []
-        for rank, (where, rank_sizes, rank_tree) in enumerate(gathered):
-            files.update(rank_sizes)
-            for key, (file, start, end) in where.items():
-                chunk = plan.chunk_of[rank, key]
-                chunk.file, chunk.start, chunk.end = file, start, end
-            if rank_tree not in trees:
-                trees.append(rank_tree)
-            rank_objects.append(trees.index(rank_tree))
-        manifest = Manifest(
-            step=step,
-            world_size=comm.world_size,
-            created=time.time(),
-            tensors=plan.tensors,
-            objects=trees,
-            rank_objects=rank_objects,
-            files=files,
-        )
-        try:
-            ckpt.storage.commit(f"{folder}/{MANIFEST}", manifest.to_json())
-        except FileExistsError:
-            raise CheckpointError(
-                f"{ckpt.path}: step {step} was committed by another writer meanwhile"
-            ) from None
-
-    comm.together(f"committing step {step}", commit)
+    comm.together(f"committing step {step}", lambda: _commit(ctx, step, plan, gathered))
     if comm.rank == 0:
         try:
-            ckpt.storage.replace(LATEST, json.dumps({"step": step}).encode())
+            ctx.directory.move_latest(step)
         except Exception as e:  # the step is committed; restore finds it by listing
             log.warning("step %d is committed but the latest pointer did not move: %s", step, e)
         written = sum(size for row in gathered for size in row[1].values())
         seconds = time.perf_counter() - started
         log.info("saved step %d: %.1f MiB in %.2f s", step, written / 2**20, seconds)
-        _retain(ckpt)
+        ctx.directory.retain(ctx.keep)
     return True
 
 
-def _clear(ckpt: Checkpointer, step: int) -> None:
+def _describe(ctx: SaveContext, staged: Staged) -> list[Block]:
+    """This rank's blocks, hashed, once its staged copies have landed. Rank 0 first
+    clears the way (see `_clear`)."""
+    if staged.error is not None:
+        raise CheckpointError(staged.error)
+    if staged.ready is not None:
+        staged.ready.synchronize()
+    if ctx.comm.rank == 0 and not staged.skipped:
+        _clear(ctx.directory, staged.step)
+    return [
+        Block(
+            key=key,
+            dtype=dtype_name(t.dtype),
+            shape=shape,
+            offsets=offsets,
+            local_shape=tuple(t.shape),
+            nbytes=t.nbytes,
+            xxh3=checksum(byte_view(t)),
+        )
+        for key, t, offsets, shape in zip(
+            staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True
+        )
+    ]
+
+
+def _commit(ctx: SaveContext, step: int, plan: WritePlan, gathered: list[Any]) -> None:
+    """On rank 0: the manifest, from the plan and where every rank wrote its blocks."""
+    if ctx.comm.rank != 0:
+        return
+    files: dict[str, int] = {}
+    trees: list[dict[str, Any]] = []
+    rank_objects: list[int] = []
+    for rank, (where, rank_sizes, rank_tree) in enumerate(gathered):
+        files.update(rank_sizes)
+        for key, (file, start, end) in where.items():
+            chunk = plan.chunk_of[rank, key]
+            chunk.file, chunk.start, chunk.end = file, start, end
+        if rank_tree not in trees:
+            trees.append(rank_tree)
+        rank_objects.append(trees.index(rank_tree))
+    manifest = Manifest(
+        step=step,
+        world_size=ctx.comm.world_size,
+        created=time.time(),
+        tensors=plan.tensors,
+        objects=trees,
+        rank_objects=rank_objects,
+        files=files,
+    )
+    ctx.directory.commit(manifest)
+
+
+def _clear(directory: Directory, step: int) -> None:
     """Before saving ``step``: refuse to replace it if committed; remove uncommitted
     leftovers of earlier crashed saves (nobody can be writing them: saves are collective,
     persisted one at a time, and this one has not begun)."""
-    folder = step_dir(step)
-    if ckpt._committed(folder):
+    if directory.is_committed(step):
         raise CheckpointError(
-            f"{ckpt.path}: step {step} is already committed; save under a new step, "
-            f"or delete {folder} first"
+            f"{directory.path}: step {step} is already committed; save under a new step, "
+            f"or delete {step_dir(step)} first"
         )
-    for name in ckpt.storage.list(""):
-        if parse_step_dir(name) is not None and not ckpt._committed(name):
-            ckpt.storage.delete(name)
-
-
-def _retain(ckpt: Checkpointer) -> None:
-    if ckpt.keep is None:
-        return
-    for step in ckpt.steps()[: -ckpt.keep]:
-        # Manifest first: from that moment no reader sees a half-deleted checkpoint.
-        ckpt.storage.delete(f"{step_dir(step)}/{MANIFEST}")
-        ckpt.storage.delete(step_dir(step))
+    directory.clear_leftovers()

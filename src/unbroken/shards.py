@@ -9,23 +9,35 @@ manifest checksum before anyone can use it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import Chunk, TensorEntry, checksum, safetensors_header, shard_file
+from unbroken.format import Chunk, TensorEntry, safetensors_header, shard_file, verify_block
 from unbroken.storage import Storage
 
 # A rank's data is split into files of about this size, written by parallel threads.
 FILE_BYTES = 512 << 20
+# Blocks packed into one buffer each start on a cache line, so typed views are valid.
+ALIGN = 64
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def packed(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Where blocks of ``sizes`` bytes start when packed back to back into one buffer,
+    each at an `ALIGN`-byte boundary, and the buffer's size."""
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += -(-size // ALIGN) * ALIGN
+    return starts, total
 
 
 def local_block(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -99,6 +111,11 @@ def read_chunk(
 def _read(storage: Storage, folder: str, key: str, file: str, start: int, out: memoryview) -> None:
     try:
         storage.read_into(f"{folder}/{file}", start, out)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{folder}/{file} disappeared while tensor {key!r} was being read from it: "
+            "something removed it during the restore"
+        ) from None
     except EOFError:
         raise CorruptCheckpointError(
             f"{folder}: {file} is truncated; tensor {key!r} (bytes {start}-"
@@ -107,11 +124,12 @@ def _read(storage: Storage, folder: str, key: str, file: str, start: int, out: m
 
 
 def _verify(folder: str, key: str, chunk: Chunk, view: memoryview) -> None:
-    if checksum(view) != chunk.xxh3:
-        raise CorruptCheckpointError(
-            f"{folder}: tensor {key!r} in {chunk.file} (bytes {chunk.start}-{chunk.end}) fails "
-            "its checksum; the file is damaged. Restore an earlier step (see `unbroken ls`)."
-        )
+    verify_block(
+        view,
+        chunk.xxh3,
+        f"{folder}: tensor {key!r} in {chunk.file} (bytes {chunk.start}-{chunk.end})",
+        "; the file is damaged. Restore an earlier step (see `unbroken ls`).",
+    )
 
 
 # Blocks smaller than this are fetched together with their neighbours in one request:

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from unbroken import abort
-
-_ALIGN = 64  # every block starts on a cache line, so typed views of the buffer are valid
+from unbroken.shards import packed
 
 
 class Arena:
@@ -37,10 +36,7 @@ class Arena:
         On return the caller may modify the originals at once: CPU copies are done, and the
         current CUDA stream is made to wait for the side-stream copies, so kernels it runs
         next cannot change a tensor before it has been copied."""
-        offsets, total = [], 0
-        for t in blocks:
-            offsets.append(total)
-            total += -(-t.nbytes // _ALIGN) * _ALIGN
+        offsets, total = packed(t.nbytes for t in blocks)
         on_cuda = [t for t in blocks if t.is_cuda]
         if self.buffer is None or self.buffer.numel() < total:
             self.buffer = None  # free the old buffer before allocating its replacement

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -177,3 +177,37 @@ def tensor_keys(value: Json) -> list[str]:
             return [value[_TENSOR]]
         return [k for v in value.values() for k in tensor_keys(v)]
     return []
+
+
+def prune(tree: Json, keep: set[str]) -> Json:
+    """``tree`` without the tensor placeholders whose key is not in ``keep``."""
+    if isinstance(tree, list):
+        return [prune(v, keep) for v in tree]
+    if isinstance(tree, dict):
+        if _TENSOR in tree:
+            return tree
+        return {
+            k: prune(v, keep)
+            for k, v in tree.items()
+            if not (isinstance(v, dict) and _TENSOR in v and v[_TENSOR] not in keep)
+        }
+    return tree
+
+
+def leaves(tree: Json, path: str = "") -> Iterator[tuple[str, Any]]:
+    """The non-tensor values of an encoded tree, for display: ``(path, value)``, with
+    dicts (unless short) and anything holding tensors opened up."""
+    value = decode(tree, {}) if tensor_keys(tree) == [] else None
+    if value is not None and (not isinstance(value, dict) or len(repr(value)) <= 60):
+        yield path, value
+    elif isinstance(tree, dict) and _ITEMS in tree:
+        for key, value in tree[_ITEMS]:
+            yield from leaves(value, f"{path}/{key}")
+    elif isinstance(tree, dict) and _TENSOR not in tree:
+        items = tree.get(_TUPLE, tree)
+        pairs = enumerate(items) if isinstance(items, list) else items.items()
+        for key, value in pairs:
+            yield from leaves(value, f"{path}/{key}" if path else str(key))
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from leaves(value, f"{path}/{i}")

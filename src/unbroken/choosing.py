@@ -1,0 +1,153 @@
+"""The first stage of a restore: the step every rank agrees on, and where each rank's
+bytes of it come from.
+
+Shared memory wins when every rank can get the step from it (its own snapshot, or a
+peer's replica for a rank whose copy is gone) and it is at least as new as the newest
+step on storage. Only the copies to be used are checksummed, once, here: a damaged one
+makes every rank pass the step over and choose again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from unbroken import replicas
+from unbroken.directory import Directory
+from unbroken.dist import Comm
+from unbroken.errors import CheckpointError
+from unbroken.memory import MemoryTier
+from unbroken.sources import MemorySource, Origin, ReplicaSource, Source, StorageSource
+
+log = logging.getLogger("unbroken")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """The step to restore and this rank's `Source` of it. ``serves`` maps each rank
+    whose bytes come from a peer's replica to that peer (empty from storage); every
+    provider sends while the others read."""
+
+    step: int
+    source: Source
+    origins: tuple[Origin, ...]  # every rank's, in rank order
+    serves: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def from_storage(self) -> bool:
+        return all(o.kind == "storage" for o in self.origins)
+
+
+def choose(
+    comm: Comm,
+    directory: Directory,
+    memory: MemoryTier | None,
+    replica_sources: Sequence[int],
+    step: int | None,
+) -> Choice | None:
+    """Agree on the step (``step``, or the newest; None if there is none) and on its
+    sources. Collective; raises on every rank if ``step`` is committed nowhere."""
+    requested = comm.all_gather(step)
+    if len(set(requested)) > 1:
+        raise CheckpointError(
+            f"ranks disagree on the step to restore: {dict(enumerate(requested))}; "
+            "every rank must call restore() with the same step"
+        )
+    rejected: set[int] = set()  # steps whose copy in memory failed a checksum somewhere
+    while True:
+        in_memory = _in_memory(comm, memory, replica_sources, rejected)
+
+        def pick(in_memory: dict[int, dict[int, list[int]]] = in_memory) -> int | None:
+            return _pick(directory, step, in_memory) if comm.rank == 0 else None
+
+        chosen: int | None = comm.broadcast(comm.together("finding a checkpoint", pick))
+        if chosen is None:
+            return None
+        if chosen not in in_memory:
+            origins = (Origin("storage", chosen),) * comm.world_size
+            return Choice(step=chosen, source=StorageSource(directory, chosen), origins=origins)
+        assert memory is not None
+        choice = _from_memory(comm, memory, chosen, in_memory[chosen])
+        if choice is not None:
+            return choice
+        rejected.add(chosen)
+
+
+def _pick(directory: Directory, step: int | None, in_memory: Mapping[int, object]) -> int | None:
+    """On rank 0: ``step`` if given (it must be in memory or committed), else the newest
+    step in memory or on storage, memory winning a tie."""
+    if step is not None:
+        if step not in in_memory:
+            directory.manifest(step)  # raises a clear error if it is not committed
+        return step
+    stored = directory.latest()
+    newest = max(in_memory, default=None)
+    if newest is not None and (stored is None or newest >= stored):
+        return newest
+    return stored
+
+
+def _from_memory(
+    comm: Comm, memory: MemoryTier, step: int, holders: dict[int, list[int]]
+) -> Choice | None:
+    """Sources in memory for ``step``, or None (on every rank) if a copy to be used is
+    damaged somewhere. ``holders`` maps each rank whose own copy is gone to the ranks
+    holding its replica; the lowest of them provides it."""
+    plan = {r: min(q) for r, q in sorted(holders.items())}  # lost -> provider
+    ok = all(memory.replica(r).intact(step) is not None for r, p in plan.items() if p == comm.rank)
+    own = None
+    if comm.rank not in plan:
+        own = MemorySource(memory.own, step)
+        try:
+            own.open()  # checksums every block, once
+        except CheckpointError as e:
+            log.warning("ignoring %s", e)
+            ok = False
+    intact = comm.all_gather(ok)
+    if not all(intact):
+        bad = [r for r, good in enumerate(intact) if not good]
+        log.warning("step %d in shared memory is damaged on ranks %s; not using it", step, bad)
+        return None
+    text = replicas.manifests(comm, memory, step, plan) if plan else None
+    source: Source
+    if own is not None:
+        source = own
+    else:  # this rank's copy is gone: its bytes come from plan[rank], not storage
+        assert text is not None
+        source = ReplicaSource(comm, plan[comm.rank], step, text)
+    if plan:
+        log.info("step %d recovered from peer replicas for ranks %s", step, sorted(plan))
+    log.info("restoring step %d from shared memory", step)
+    origins = tuple(
+        Origin("replica", step, plan[r]) if r in plan else Origin("memory", step)
+        for r in range(comm.world_size)
+    )
+    return Choice(step=step, source=source, origins=origins, serves=plan)
+
+
+def _in_memory(
+    comm: Comm, memory: MemoryTier | None, replica_sources: Sequence[int], rejected: set[int]
+) -> dict[int, dict[int, list[int]]]:
+    """The steps every rank can get from shared memory: from its own, or, for a rank
+    whose copy is gone, from a peer's replica. ``{step: {lost rank: replica holders}}``.
+    Collective."""
+    own: list[int] = []
+    kept: dict[str, list[int]] = {}
+    if memory is not None:
+        own = sorted(memory.snapshots())
+        kept = {str(o): sorted(memory.replica(o).whole()) for o in replica_sources}
+    table = comm.all_gather([own, kept])
+    found = {}
+    for candidate in {s for steps, _ in table for s in steps} | {
+        s for _, k in table for steps in k.values() for s in steps
+    }:
+        if candidate in rejected:
+            continue
+        lost = {r for r, (steps, _) in enumerate(table) if candidate not in steps}
+        holders = {
+            r: [q for q, (_, k) in enumerate(table) if candidate in k.get(str(r), [])] for r in lost
+        }
+        if all(holders.values()):
+            found[candidate] = holders
+    return found
