@@ -1,4 +1,8 @@
-"""The `unbroken` command: ls, show, verify, export, demo."""
+"""The `unbroken` command: ls, show, verify, export, demo, run.
+
+Exit codes (also in ``unbroken --help`` and the README): 0 ok, 1 damage found, 2 usage or
+input error. ``--json`` output (ls, show, verify) is built by `unbroken.cli_json`.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import datetime
 import os
 import sys
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -19,11 +24,22 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from unbroken import cli_json
 from unbroken.directory import Directory
-from unbroken.errors import CheckpointError
-from unbroken.offline import consolidate, verify
+from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.format import Manifest
+from unbroken.offline import consolidate, selected_bytes, verify
 from unbroken.state import leaves
 from unbroken.storage import open_storage
+
+OK, DAMAGED, USAGE = 0, 1, 2
+EXIT_CODES = """exit codes:
+  0  ok
+  1  damage found: a file or checksum does not match its manifest (verify; a damaged
+     manifest anywhere)
+  2  usage or input error: bad option, missing path or step, existing output without
+     --force, a training script that does not exist
+`unbroken run` exits with the training job's own code once the job has started."""
 
 # Wide enough for long tensor names when the output goes to a file or a pipe.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -31,6 +47,16 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    try:
+        return _dispatch(args)
+    except SystemExit as e:  # argparse and `unbroken run`'s checks: usage errors, --help
+        if e.code is None or isinstance(e.code, int):
+            return e.code or OK
+        print(e.code, file=sys.stderr)
+        return USAGE
+
+
+def _dispatch(args: list[str]) -> int:
     if args[:1] == ["demo"]:
         from unbroken.demo.run import main as demo
 
@@ -39,45 +65,70 @@ def main(argv: list[str] | None = None) -> int:
         from unbroken.run.cli import main as run
 
         return run(args[1:])
-    parser = _parser()
-    opts = parser.parse_args(args)
+    opts = _parser().parse_args(args)
     try:
         return int(opts.func(opts))
-    except CheckpointError as e:
+    except CorruptCheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return DAMAGED
+    except (CheckpointError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="unbroken", description="Inspect, verify and export unbroken checkpoints."
+        prog="unbroken",
+        description="Inspect, verify and export unbroken checkpoints; run the demo; launch "
+        "training with restarts.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
-    ls = sub.add_parser("ls", help="list committed checkpoints")
-    ls.add_argument("path")
-    ls.set_defaults(func=_ls)
-    show = sub.add_parser("show", help="tensors and non-tensor state of one checkpoint")
-    show.add_argument("path")
+    ls = _command(sub, "ls", _ls, "list committed checkpoints (or the subfolders holding them)")
+    _json_flag(ls)
+    show = _command(sub, "show", _show, "tensors and non-tensor state of one checkpoint")
     show.add_argument("--step", type=int, help="default: the newest")
-    show.set_defaults(func=_show)
-    ver = sub.add_parser("verify", help="re-read every byte and check every checksum")
-    ver.add_argument("path")
+    _json_flag(show)
+    ver = _command(sub, "verify", _verify, "re-read every byte and check every checksum")
     which = ver.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="default: the newest")
     which.add_argument("--all", action="store_true", help="every committed step")
-    ver.set_defaults(func=_verify)
-    exp = sub.add_parser("export", help="consolidated safetensors weights for inference")
-    exp.add_argument("path")
+    _json_flag(ver)
+    _quiet_flag(ver)
+    exp = _command(sub, "export", _export, "consolidated safetensors weights for inference")
     exp.add_argument("out", help="the .safetensors file to write")
     exp.add_argument("--step", type=int, help="default: the newest")
     exp.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     exp.add_argument(
         "--only", action="append", help="state entry to export (repeatable; default: model)"
     )
-    exp.set_defaults(func=_export)
-    sub.add_parser("demo", help="train, kill and resume a small GPT under torchrun")
+    exp.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    _quiet_flag(exp)
+    sub.add_parser("demo", help="train, kill and resume a small GPT under torchrun (~35 s)")
     sub.add_parser("run", help="torchrun with restarts, hang detection and fault injection")
     return parser
+
+
+def _command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    summary: str,
+) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=summary, description=summary, epilog=EXIT_CODES)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("path", help="checkpoint directory: a local path or a URL (s3://...)")
+    p.set_defaults(func=func, json=False, quiet=False)
+    return p
+
+
+def _json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout (README)")
+
+
+def _quiet_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
 def _open(path: str) -> Directory:
@@ -86,24 +137,56 @@ def _open(path: str) -> Directory:
     return Directory(open_storage(path), path)
 
 
+def _subfolders(path: str) -> dict[str, Directory]:
+    """The folders directly under ``path`` that hold committed checkpoints, by path."""
+    found = {}
+    for name in sorted(open_storage(path).list("")):
+        sub = os.path.join(path, name) if "://" not in path else f"{path.rstrip('/')}/{name}"
+        if "://" not in path and not os.path.isdir(sub):
+            continue
+        directory = Directory(open_storage(sub), sub)
+        if directory.steps():
+            found[sub] = directory
+    return found
+
+
 def _ls(opts: argparse.Namespace) -> int:
     directory = _open(opts.path)
     steps = directory.steps()
-    if not steps:
-        console.print(f"{opts.path}: no committed checkpoints")
-        return 0
-    table = Table("step", "size", "tensors", "ranks", "saved", title=opts.path)
+    subs = {} if steps else _subfolders(opts.path)
+    if opts.json:
+        cli_json.dump(cli_json.ls(opts.path, directory, steps, subs))
+        return OK
+    if steps:
+        _ls_table(opts.path, directory, steps)
+    elif subs:
+        console.print(
+            f"{opts.path} holds no checkpoints itself; {len(subs)} of its subfolders do:",
+            highlight=False,
+        )
+        for sub, subdir in subs.items():
+            _ls_table(sub, subdir, subdir.steps())
+        console.print(f"one of them: unbroken ls {next(iter(subs))}", highlight=False)
+    else:
+        console.print(f"{opts.path}: no committed checkpoints, nor in its subfolders")
+    return OK
+
+
+def _ls_table(path: str, directory: Directory, steps: list[int]) -> None:
+    table = Table("step", "size", "tensors", "ranks", "saved", title=path)
     for step in steps:
         m = directory.manifest(step)
         table.add_row(
             str(step), _size(m.nbytes), str(len(m.tensors)), str(m.world_size), _time(m.created)
         )
     console.print(table)
-    return 0
 
 
 def _show(opts: argparse.Namespace) -> int:
     m = _open(opts.path).manifest(opts.step)
+    if opts.json:
+        cli_json.dump(cli_json.show(opts.path, m))
+        return OK
     console.print(
         f"step {m.step}: {_size(m.nbytes)} in {len(m.files)} files, saved by {m.world_size} "
         f"ranks at {_time(m.created)} (format version {m.version})",
@@ -126,57 +209,70 @@ def _show(opts: argparse.Namespace) -> int:
     console.print(values)
     if len(m.objects) > 1:
         console.print(f"{len(m.objects)} distinct per-rank versions of the non-tensor state")
-    return 0
+    return OK
 
 
 def _verify(opts: argparse.Namespace) -> int:
     directory = _open(opts.path)
     steps = directory.steps() if opts.all else [directory.manifest(opts.step).step]
-    damaged = 0
+    results = []
     for step in steps:
         m = directory.manifest(step)
-        with _bar() as bar:
-            total = sum(c.nbytes for e in m.tensors.values() for c in e.chunks)
-            task = bar.add_task(f"step {step}", total=total)
+        with _bar(opts) as bar:
+            task = bar.add_task(f"reading step {step}", total=_stored_bytes(m))
             damage = verify(directory, m, partial(bar.advance, task))
+        results.append((m, damage))
+        if opts.json:
+            continue
         for d in damage:
             where = f"{d.file}" + (f", tensor {d.tensor!r}" if d.tensor else "")
             console.print(f"[red]DAMAGED[/red] step {step}: {where}: {d.problem}", highlight=False)
-        if damage:
-            damaged += 1
-        else:
+        if not damage:
             console.print(f"[green]OK[/green] step {step}: every checksum matches", highlight=False)
-    return 1 if damaged else 0
+    if opts.json:
+        cli_json.dump(cli_json.verify(opts.path, results))
+    return DAMAGED if any(damage for _, damage in results) else OK
 
 
 def _export(opts: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
+    if os.path.exists(opts.out) and not opts.force:
+        raise CheckpointError(f"{opts.out} already exists; pass --force to overwrite it")
     directory = _open(opts.path)
     m = directory.manifest(opts.step)
     dtype = getattr(torch, opts.dtype) if opts.dtype else None
     only = opts.only or ["model"]
     tensors: dict[str, torch.Tensor] = {}
-    with _bar() as bar:
-        task = bar.add_task(f"step {m.step}", total=None)
-        for name, tensor in consolidate(directory, m, only, dtype):
+    with _bar(opts) as bar:
+        task = bar.add_task(f"reading step {m.step}", total=selected_bytes(m, only))
+        for name, tensor in consolidate(directory, m, only, dtype, partial(bar.advance, task)):
             tensors[name] = tensor
-            bar.advance(task, tensor.nbytes)
-    save_file(tensors, opts.out, metadata={"unbroken_step": str(m.step)})
+    partial_out = f"{opts.out}.partial"  # a reader never sees half a file under OUT
+    save_file(tensors, partial_out, metadata={"unbroken_step": str(m.step)})
+    os.replace(partial_out, opts.out)
     size = sum(t.nbytes for t in tensors.values())
     console.print(f"wrote {len(tensors)} tensors, {_size(size)}, to {opts.out}", highlight=False)
-    return 0
+    return OK
 
 
-def _bar() -> Progress:
+def _stored_bytes(m: Manifest) -> int:
+    return sum(c.nbytes for e in m.tensors.values() for c in e.chunks)
+
+
+def _bar(opts: argparse.Namespace) -> Progress:
+    """Bytes and speed on stderr; off with --quiet or --json, or unless both stdout and
+    stderr are terminals (a log file or a pipe gets no bar)."""
+    shown = not (opts.quiet or opts.json) and sys.stdout.isatty() and sys.stderr.isatty()
     return Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         DownloadColumn(binary_units=True),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
-        console=console,
+        console=Console(stderr=True),
         transient=True,
+        disable=not shown,
     )
 
 

@@ -58,11 +58,16 @@ def verify(
 
 
 def consolidate(
-    directory: Directory, manifest: Manifest, only: list[str], dtype: torch.dtype | None
+    directory: Directory,
+    manifest: Manifest,
+    only: list[str],
+    dtype: torch.dtype | None,
+    progress: Callable[[int], None] = lambda n: None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Whole tensors of the state entries ``only``, named as an unwrapped module names them
     (``model/module.fc.weight`` becomes ``fc.weight``), floating ones cast to ``dtype``.
-    Where ranks saved different values under one key, rank 0's is taken."""
+    Where ranks saved different values under one key, rank 0's is taken. ``progress`` gets
+    the number of stored bytes read after each tensor (`selected_bytes` is their total)."""
     prefixes = [f"{name}/" for name in only]
     found = {p for key in manifest.tensors for p in prefixes if key.startswith(p)}
     if missing := [p[:-1] for p in prefixes if p not in found]:
@@ -84,6 +89,19 @@ def consolidate(
         chunks = [c for c in entry.chunks if c.ranks is None or 0 in c.ranks]
         whole = torch.empty(entry.shape, dtype=entry.torch_dtype)
         fill(directory.storage, folder, key, entry, chunks, whole, [0] * len(entry.shape))
+        progress(sum(c.nbytes for c in chunks))
         if dtype is not None and whole.is_floating_point():
             whole = whole.to(dtype)
         yield name, whole
+
+
+def selected_bytes(manifest: Manifest, only: list[str]) -> int:
+    """The stored bytes `consolidate` reads for the state entries ``only``."""
+    prefixes = tuple(f"{name}/" for name in only)
+    return sum(
+        c.nbytes
+        for key, entry in manifest.tensors.items()
+        if key.startswith(prefixes)
+        for c in entry.chunks
+        if c.ranks is None or 0 in c.ranks
+    )

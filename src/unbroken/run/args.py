@@ -8,6 +8,9 @@ starts.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,6 +175,9 @@ def parse(argv: list[str]) -> RunOptions:
     if ours.simulate_nodes is not None:
         _check_simulation(parser, ours.simulate_nodes, torchrun_opts, targs)
     _check_targets(parser, faults, ours.simulate_nodes, nproc, targs)
+    if problem := script_problem(script[0], module=targs.module, no_python=targs.no_python):
+        print(f"unbroken run: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     return RunOptions(
         ours=ours,
         torchrun_opts=torchrun_opts,
@@ -220,6 +226,29 @@ def _check_targets(
                 parser.error(f"{str(f)!r}: there are only nodes 0..{nodes - 1}")
         elif nproc is not None and f.target >= nproc * (nodes or _int(targs.nnodes) or 1):
             parser.error(f"{str(f)!r}: no such rank in this job")
+
+
+def script_problem(script: str, *, module: bool, no_python: bool) -> str | None:
+    """Why torchrun could not start ``script`` (None if it can): checked here, so a typo
+    is one line and exit code 2, not a failed launch and a ChildFailedError traceback."""
+    if module:
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except (ImportError, ValueError):  # a parent package is missing, or a bad name
+            found = False
+        if not found:
+            return f"-m {script}: no module of that name can be imported from here"
+        return None
+    if no_python:
+        if shutil.which(script) is None:
+            return f"{script}: no such executable (--no-python runs it as a program)"
+        return None
+    path = Path(script)
+    if path.is_dir():
+        return f"{script} is a directory; give the training script (a .py file) inside it"
+    if not path.is_file():
+        return f"{script}: no such file (relative to {Path.cwd()}); check the script's path"
+    return None
 
 
 def _int(text: str) -> int | None:
