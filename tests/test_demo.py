@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import math
 import os
 import re
@@ -12,8 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
-from unbroken.demo import run
+from unbroken.cli import main as cli
+from unbroken.demo import report, run
 from unbroken.demo.model import CharVocab, GPTConfig, ShardedBatches, TinyGPT, load_corpus
 from unbroken.run.procs import alive
 
@@ -77,36 +81,36 @@ def test_tiny_gpt_starts_near_uniform_and_dropout_draws_from_the_global_rng() ->
     assert torch.equal(model(x, y), model(x, y))
 
 
-def _launch(losses: dict[int, float], restored: int | None = None) -> run.Launch:
-    return run.Launch(losses=dict(losses), restored=restored)
+def _launch(losses: dict[int, float], restored: int | None = None) -> report.Launch:
+    return report.Launch(losses=dict(losses), restored=restored)
 
 
 def test_comparison_is_bitwise_and_covers_the_recomputed_steps() -> None:
     ref = {s: 1.0 + s / 7 for s in range(1, 11)}
     killed = _launch({s: v for s, v in ref.items() if s <= 7})
     resumed = _launch({s: v for s, v in ref.items() if s > 5}, restored=5)
-    assert run.mismatches(10, _launch(ref), killed, resumed) == []
-    assert run.combined_curve(killed, resumed) == ref
+    assert report.mismatches(10, _launch(ref), killed, resumed) == []
+    assert report.combined_curve(killed, resumed) == ref
 
     off_by_one_ulp = dict(resumed.losses)
     off_by_one_ulp[9] = math.nextafter(ref[9], math.inf)
-    assert run.mismatches(10, _launch(ref), killed, _launch(off_by_one_ulp, 5)) == [9]
+    assert report.mismatches(10, _launch(ref), killed, _launch(off_by_one_ulp, 5)) == [9]
 
     # A lost step the killed launch printed must match too, although the table shows the
     # recomputed value for it.
     bad_lost = _launch(killed.losses)
     bad_lost.losses[6] = ref[6] + 1e-9
-    assert run.mismatches(10, _launch(ref), bad_lost, resumed) == [6]
+    assert report.mismatches(10, _launch(ref), bad_lost, resumed) == [6]
     # A resumed run that stops early leaves steps missing: that is a mismatch as well.
     short = _launch({s: v for s, v in resumed.losses.items() if s < 10}, restored=5)
-    assert run.mismatches(10, _launch(ref), killed, short) == [10]
+    assert report.mismatches(10, _launch(ref), killed, short) == [10]
 
 
 def test_long_runs_show_a_sample_of_rows_but_every_interesting_one() -> None:
-    rows = run._rows_to_show(1000, 50, restored=300, killed_at=333, bad=[777])
+    rows = report._rows_to_show(1000, 50, restored=300, killed_at=333, bad=[777])
     assert len(rows) < 120
     assert {1, 50, 299, 300, 317, 333, 334, 777, 1000} <= set(rows)
-    assert run._rows_to_show(60, 10, 30, 35, []) == list(range(1, 61))
+    assert report._rows_to_show(60, 10, 30, 35, []) == list(range(1, 61))
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
@@ -157,7 +161,7 @@ def test_demo_kills_resumes_and_matches_bit_for_bit(
     code = run.main(argv)
     out = capsys.readouterr().out
     assert code == 0, out
-    assert f"Verdict: {run.VERDICT_EQUAL}" in out
+    assert f"Verdict: {report.VERDICT_EQUAL}" in out
     assert "all 30 losses are bitwise identical" in out
 
     killed = re.search(r"run to be killed .*SIGKILL after step (\d+)", out)
@@ -167,6 +171,49 @@ def test_demo_kills_resumes_and_matches_bit_for_bit(
     # The kill landed past --kill-at, and the restore used a checkpoint from before it.
     assert kill_step >= 17
     assert 0 < restored <= kill_step and restored % 5 == 0
-    # Both runs wrote their checkpoints where they were told to.
+    # Both runs wrote their checkpoints where they were told to, and they are kept, with
+    # the timeline and the commands to try on them.
     assert any((tmp_path / "uninterrupted").iterdir())
     assert any((tmp_path / "killed").iterdir())
+    assert f"unbroken verify {tmp_path}/killed --all" in out
+    timeline = json.loads((tmp_path / run.TIMELINE).read_text())
+    assert timeline["verdict"] == report.VERDICT_EQUAL and timeline["mismatched_steps"] == []
+    assert timeline["launches"]["killed"]["killed"] is True
+    assert timeline["launches"]["resumed"]["restored"] == restored
+    assert (
+        timeline["launches"]["resumed"]["losses"]["30"]
+        == timeline["launches"]["uninterrupted"]["losses"]["30"]
+    )
+    # The next commands the demo suggests work on what it kept: ls on the folder finds
+    # both runs' checkpoints in its subfolders, verify passes.
+    assert cli(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 of its subfolders do" in out and f"{tmp_path}/killed" in out
+    assert cli(["verify", str(tmp_path / "killed"), "--all", "--quiet"]) == 0
+    assert capsys.readouterr().out.count("OK step") == 30 // 5
+
+
+def test_clean_deletes_only_what_the_demo_wrote(tmp_path: Path) -> None:
+    console = Console(file=io.StringIO())
+    mine = tmp_path / "mine.txt"
+    mine.write_text("not the demo's")
+    for name in ("uninterrupted", "killed"):
+        (tmp_path / name / "step-000000005").mkdir(parents=True)
+    (tmp_path / run.TIMELINE).write_text("{}")
+    run._keep_or_clean(console, tmp_path, created=False, clean=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+    fresh = tmp_path / "fresh"
+    (fresh / "killed").mkdir(parents=True)
+    run._keep_or_clean(console, fresh, created=True, clean=True)
+    assert not fresh.exists()
+
+
+def test_demo_keeps_its_files_in_the_current_directory_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    default = run.default_dir()
+    assert not default.is_absolute() and default.name.startswith("unbroken-demo-")
+    args = run.parse_args([])
+    assert args.dir is None and not args.clean

@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     _quiet_flag(exp)
-    sub.add_parser("demo", help="train, kill and resume a small GPT under torchrun (~35 s)")
+    sub.add_parser("demo", help="train, kill and resume a small GPT under torchrun (30-40 s)")
     sub.add_parser("run", help="torchrun with restarts, hang detection and fault injection")
     return parser
 
