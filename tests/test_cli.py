@@ -1,5 +1,6 @@
 """The `unbroken` command on real checkpoints."""
 
+import importlib.util
 import json
 import os
 import pty
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 import unbroken
 from unbroken.cli import main
 from unbroken.format import step_dir
+from unbroken.run.args import script_problem
 
 
 @pytest.fixture
@@ -224,3 +226,16 @@ def test_run_refuses_a_missing_script_before_starting_anything(tmp_path, capsys,
     (tmp_path / "jobs").mkdir()
     assert main(["run", "jobs"]) == 2
     assert "jobs is a directory" in capsys.readouterr().err
+
+
+def test_run_preflight_finds_modules_in_the_current_directory(tmp_path, monkeypatch):
+    # `python -m job` in a worker finds ./job.py; the check must find it the same way,
+    # although the `unbroken` console script does not have the current directory on its path.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job_here.py").write_text("")
+    assert importlib.util.find_spec("job_here") is None  # not on this process's path
+    assert script_problem("job_here", module=True, no_python=False) is None
+    assert script_problem("job_there", module=True, no_python=False) is not None
+    assert script_problem("python3", module=False, no_python=True) is None
+    problem = script_problem("no-such-prog", module=False, no_python=True)
+    assert problem is not None and "no such executable" in problem

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -232,11 +233,7 @@ def script_problem(script: str, *, module: bool, no_python: bool) -> str | None:
     """Why torchrun could not start ``script`` (None if it can): checked here, so a typo
     is one line and exit code 2, not a failed launch and a ChildFailedError traceback."""
     if module:
-        try:
-            found = importlib.util.find_spec(script) is not None
-        except (ImportError, ValueError):  # a parent package is missing, or a bad name
-            found = False
-        if not found:
+        if not _importable(script):
             return f"-m {script}: no module of that name can be imported from here"
         return None
     if no_python:
@@ -249,6 +246,18 @@ def script_problem(script: str, *, module: bool, no_python: bool) -> str | None:
     if not path.is_file():
         return f"{script}: no such file (relative to {Path.cwd()}); check the script's path"
     return None
+
+
+def _importable(module: str) -> bool:
+    """Whether ``python -m module`` finds it, as a worker would: from the current directory
+    (which `python -m` puts first on sys.path) or the usual path."""
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing, or a bad name
+        return False
+    finally:
+        sys.path.pop(0)
 
 
 def _int(text: str) -> int | None:
