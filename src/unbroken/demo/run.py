@@ -109,8 +109,8 @@ def _demo(console: Console, args: argparse.Namespace, root: Path) -> int:
         f"checkpoints in {escape(str(root))}\n"
     )
     launches: dict[str, Launch] = {}
-    ref = launches["uninterrupted"] = _run(console, "uninterrupted run", ref_dir, args)
     try:
+        ref = launches["uninterrupted"] = _run(console, "uninterrupted run", ref_dir, args)
         if not _check(console, ref, "the uninterrupted run"):
             return 1
         first = launches["killed"] = _run(console, "run to be killed", run_dir, args, args.kill_at)
