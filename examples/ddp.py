@@ -36,7 +36,7 @@ def main() -> None:
     torch.manual_seed(rank)  # different data on each rank; RNGState keeps it per rank
 
     ckpt = unbroken.Checkpointer(args.dir, memory=True, replicas=1)
-    step = ckpt.restore(state) or 0  # newest of: a step every rank holds in memory, storage's
+    step = ckpt.restore(state) or 0  # memory, if every rank holds the step, else storage
     if ckpt.last_restore is not None:
         print(f"rank {rank}: resumed from step {step} ({ckpt.last_restore.origin.kind})")
     while step < args.steps:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,16 @@ def test_in_process_example_replaces_only_the_killed_rank(tmp_path):
     for rank in (0, 1):
         assert f"rank {rank}: resumed from step 6" in out
         assert f"rank {rank}: finished at step 10" in out
+
+
+def test_readme_code_is_excerpts_of_the_examples():
+    """Each README block introduced by "From `examples/X.py`:" is lines of that file, in
+    order (``...`` stands for lines left out), so the README's code runs as the file does."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    blocks = re.findall(r"From `examples/(\w+\.py)`:\n\n```python\n(.*?)```", readme, re.S)
+    assert {name for name, _ in blocks} >= {"single_process.py", "ddp.py"}
+    for name, block in blocks:
+        lines = iter((EXAMPLES / name).read_text().splitlines())
+        for line in block.splitlines():
+            if line.strip() not in ("", "..."):
+                assert line in lines, f"README: {line!r} is not in examples/{name} (in order)"
