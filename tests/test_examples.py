@@ -1,0 +1,141 @@
+"""Every script in examples/ runs as it is, briefly, and does what its docstring says: the
+single-process and S3 ones resume on a rerun, FSDP2 saves each rank's shards, and a rank
+killed under `unbroken run` (restart-all and in-process) comes back from memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import unbroken
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def run(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> str:
+    """Run ``python ARGV`` to the end; its stdout (its stderr in the failure message)."""
+    proc = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+    assert proc.returncode == 0, f"{argv}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def launch(tmp: Path, *options: str, script: str, args: list[str]) -> tuple[str, dict]:
+    """`unbroken run OPTIONS examples/SCRIPT ARGS`: its stdout and timeline."""
+    timeline = tmp / "timeline.json"
+    out = run(
+        "-m",
+        "unbroken.run",
+        f"--timeline-json={timeline}",
+        "--monitor-interval=0.1",
+        *options,
+        str(EXAMPLES / script),
+        *args,
+    )
+    return out, json.loads(timeline.read_text())
+
+
+@pytest.mark.timeout(60)
+def test_single_process_resumes_on_rerun(tmp_path):
+    script, path = str(EXAMPLES / "single_process.py"), str(tmp_path / "ckpt")
+    first = run(script, f"--dir={path}", "--steps=4", "--save-every=2")
+    assert "starting at step 0" in first and "step 4: loss" in first
+    again = run(script, f"--dir={path}", "--steps=6", "--save-every=2")
+    assert again.splitlines()[0] == "resumed from step 4"
+    assert "step 2:" not in again and "step 6: loss" in again
+    assert unbroken.Checkpointer(path).steps() == [2, 4, 6]
+
+
+@pytest.mark.timeout(60)
+def test_s3_example_saves_and_resumes_through_the_endpoint(bucket):
+    url, options = bucket
+    script = str(EXAMPLES / "object_storage.py")
+    argv = [script, f"--url={url}", f"--endpoint={options['endpoint']}", "--save-every=2"]
+    credentials = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    first = run(*argv, "--steps=4", env=credentials)  # credentials from the environment
+    assert f"committed in {url}: steps [2, 4]" in first
+    again = run(*argv, "--steps=6", "--access-key-id=test", "--secret-access-key=test")
+    assert again.splitlines()[0] == "resumed from step 4"
+    assert f"committed in {url}: steps [2, 4, 6]" in again
+
+
+@pytest.mark.timeout(60)
+def test_fsdp2_example_saves_each_ranks_shards(tmp_path):
+    path = tmp_path / "ckpt"
+    out, timeline = launch(
+        tmp_path,
+        "--standalone",
+        "--nproc-per-node=2",
+        script="fsdp2.py",
+        args=[f"--dir={path}", "--steps=4", "--save-every=2"],
+    )
+    assert timeline["exit_code"] == 0 and "step 4: loss" in out
+    manifest = unbroken.Checkpointer(path).manifest()
+    assert (manifest.step, manifest.world_size) == (4, 2)
+    # The 64x16 weight is stored as two 32-row shards, one written by each rank.
+    chunks = manifest.tensors["model/0.weight"].chunks
+    assert sorted((c.offsets, c.shape) for c in chunks) == [([0, 0], [32, 16]), ([32, 0], [32, 16])]
+
+
+@pytest.mark.timeout(90)
+def test_ddp_example_recovers_a_killed_rank_from_memory(tmp_path):
+    fault = "kill rank=1 step=7"
+    out, timeline = launch(
+        tmp_path,
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        f"--inject-fault={fault}",
+        script="ddp.py",
+        args=[f"--dir={tmp_path / 'ckpt'}", "--steps=10", "--save-every=5"],
+    )
+    [recovery] = timeline["recoveries"]
+    assert (recovery["fault"], recovery["first_step"], recovery["steps_redone"]) == (fault, 7, 1)
+    # Storage holds step 5; the snapshots in memory hold step 6, the step before the fault.
+    for rank in (0, 1):
+        assert f"rank {rank}: resumed from step 6 (memory)" in out
+        assert f"rank {rank}: finished at step 10" in out
+
+
+@pytest.mark.timeout(90)
+def test_in_process_example_replaces_only_the_killed_rank(tmp_path):
+    fault = "kill rank=1 step=7"
+    out, timeline = launch(
+        tmp_path,
+        "--in-process",
+        "--simulate-nodes=2",
+        "--nproc-per-node=1",
+        "--max-restarts=1",
+        f"--inject-fault={fault}",
+        script="in_process.py",
+        args=[f"--dir={tmp_path / 'ckpt'}", "--steps=10", "--save-every=5"],
+    )
+    [recovery] = timeline["recoveries"]
+    assert (recovery["fault"], recovery["respawned"], recovery["first_step"]) == (fault, [1], 7)
+    assert recovery["steps_redone"] == 1
+    for rank in (0, 1):
+        assert f"rank {rank}: resumed from step 6" in out
+        assert f"rank {rank}: finished at step 10" in out
+
+
+def test_readme_code_is_excerpts_of_the_examples():
+    """Each README block introduced by "From `examples/X.py`:" is lines of that file, in
+    order (``...`` stands for lines left out), so the README's code runs as the file does."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    blocks = re.findall(r"From `examples/(\w+\.py)`:\n\n```python\n(.*?)```", readme, re.S)
+    assert {name for name, _ in blocks} >= {"single_process.py", "ddp.py"}
+    for name, block in blocks:
+        lines = iter((EXAMPLES / name).read_text().splitlines())
+        for line in block.splitlines():
+            if line.strip() not in ("", "..."):
+                assert line in lines, f"README: {line!r} is not in examples/{name} (in order)"
