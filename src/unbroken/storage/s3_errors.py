@@ -21,7 +21,7 @@ class EndpointUnreachable(CheckpointError):
     """No connection to the endpoint opened, or no reply came, until retries ran out."""
 
 
-_URL = re.compile(r"Error performing \w+ (\S+)")
+_URL = re.compile(r"Error performing [A-Z]+ (\S+)")
 _STATUS = re.compile(r"status code: (\d{3}[^:]*): ?(.*)", re.DOTALL)
 _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 _CONNECT = re.compile(r'ConnectError\(\s*"([^"]+)"')
@@ -61,7 +61,11 @@ def boto3_credentials(uri: str, bucket: str) -> Any:
         session = boto3.Session()
         found = session.get_credentials()
     except botocore.exceptions.BotoCoreError as e:  # a profile that does not exist...
-        raise CheckpointError(f"{uri}: no AWS credentials for bucket {bucket!r}: {e}") from e
+        credentials, config, _ = _shared_files()
+        raise CheckpointError(
+            f"{uri}: no AWS credentials for bucket {bucket!r}: {e} in {credentials} or "
+            f"{config} (set by AWS_PROFILE). Pass them with {PASS_KEYS}."
+        ) from e
     if found is None:
         resolver = session._session.get_component("credential_provider")
         tried = [_source(p.METHOD) for p in resolver.providers]
@@ -75,9 +79,7 @@ def boto3_credentials(uri: str, bucket: str) -> Any:
 
 def _source(method: str) -> str:
     """Where boto3's credential provider ``method`` looks, in words."""
-    credentials = os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")
-    config = os.environ.get("AWS_CONFIG_FILE", "~/.aws/config")
-    profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+    credentials, config, profile = _shared_files()
     return {
         "env": "environment variables AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
         "assume-role": f"a role_arn in profile [{profile}] of {config} (AWS_PROFILE)",
@@ -93,6 +95,14 @@ def _source(method: str) -> str:
         "_FULL_URI, as on ECS)",
         "iam-role": "an instance role from the EC2 instance metadata service",
     }.get(method, method)
+
+
+def _shared_files() -> tuple[str, str, str]:
+    """The shared credentials and config files boto3 reads, and the profile it picks."""
+    credentials = os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")
+    config = os.environ.get("AWS_CONFIG_FILE", "~/.aws/config")
+    profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+    return credentials, config, profile
 
 
 def no_such_bucket(error: BaseException) -> bool:
@@ -121,7 +131,8 @@ def s3_error(
         )
     if no_such_bucket(error):
         reason += f" (the endpoint {endpoint} has no bucket {bucket!r}: create it, or fix the URI)"
-    return CheckpointError(f"{what}: {reason} (after {elapsed:.1f} s)")
+    took = f" (after {elapsed:.1f} s)" if elapsed >= 0.1 else ""
+    return CheckpointError(f"{what}: {reason}{took}")
 
 
 def describe(error: BaseException) -> tuple[str, bool, str | None]:
