@@ -4,6 +4,7 @@ listens on; and the addressing style an endpoint gets without `path_style`."""
 
 import os
 import re
+import socket
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from conftest import s3_client
 from ranks import free_port
 from servers.faulty_proxy import FaultyProxy
 from unbroken import Checkpointer, CheckpointError
+from unbroken.storage import open_storage
 from unbroken.storage.s3 import S3Options
 
 
@@ -145,7 +147,26 @@ def test_an_unreachable_endpoint_is_named_with_how_long_it_was_tried(bucket, ope
     assert time.monotonic() - start < 10
     assert re.search(
         rf"{uri}/\S+: cannot reach the S3 endpoint {endpoint} \(tcp connect error: "
-        r"Connection refused\); gave up after \d+\.\d s \(retry_timeout=1 s, max_retries=3\)",
+        r"Connection refused\); gave up after \d+\.\d s \(timeout=60 s a request, "
+        r"retry_timeout=1 s, max_retries=3\)",
+        str(failure.value),
+    ), failure.value
+
+
+def test_a_server_that_never_replies_is_named_with_how_long_it_was_waited_for(bucket):
+    uri, options = bucket
+    with socket.socket() as silent:  # accepts connections (the kernel does), never replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        options = options | {"endpoint": endpoint, "timeout": 0.5, "retry_timeout": 1.0}
+        start = time.monotonic()
+        with pytest.raises(CheckpointError) as failure:
+            Checkpointer(uri, storage_options=options).restore({"w": torch.ones(3)})
+    assert time.monotonic() - start < 10
+    assert re.search(
+        rf"GET {uri}/latest: cannot reach the S3 endpoint {endpoint} \(no reply within the "
+        r"request timeout\); gave up after \d+\.\d s \(timeout=0.5 s a request",
         str(failure.value),
     ), failure.value
 
@@ -162,3 +183,15 @@ def test_a_host_name_endpoint_without_per_bucket_dns_says_to_use_path_style(buck
         f"cannot reach the S3 endpoint http://{bucket_name}.rgw.invalid:7480 (dns error" in message
     )
     assert 'pass "path_style": True' in message
+
+
+def test_a_boto3_error_is_named_with_the_prefix_and_the_operation(bucket, caplog):
+    _, options = bucket
+    storage = open_storage("s3://no-such-bucket/x", options)
+    with pytest.raises(CheckpointError, match=r"^PUT s3://no-such-bucket/x/f \(1 bytes\): 404"):
+        storage.write("f", [b"1"])  # fails, then aborts its uploads through boto3
+    assert (
+        "could not abort uploads: LIST and ABORT multipart uploads under s3://no-such-bucket/x/f: "
+        "404 NoSuchBucket: The specified bucket does not exist (the endpoint "
+        f"{options['endpoint']} has no bucket 'no-such-bucket'"
+    ) in caplog.text

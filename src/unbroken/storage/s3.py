@@ -270,6 +270,7 @@ class S3Storage:
         """Abort multipart uploads in progress under ``path`` (best effort: a bucket
         lifecycle rule for incomplete uploads is the backstop)."""
         key = f"{self.prefix}/{path}" if self.prefix else path
+        start = time.monotonic()
         try:
             pages = self._boto3.get_paginator("list_multipart_uploads").paginate(
                 Bucket=self.bucket, Prefix=key
@@ -282,11 +283,9 @@ class S3Storage:
         except Exception as e:  # never hide the error that brought us here
             import logging
 
-            logging.getLogger("unbroken").warning(
-                "could not abort multipart uploads under %s: %s",
-                self._where(path),
-                s3_error("LIST/ABORT multipart uploads", e, 0.0, self.options, self.bucket),
-            )
+            what = f"LIST and ABORT multipart uploads under {self._where(path)}"
+            error = s3_error(what, e, time.monotonic() - start, self.options, self.bucket)
+            logging.getLogger("unbroken").warning("could not abort uploads: %s", error)
 
     @cached_property
     def _boto3(self) -> Any:

@@ -106,6 +106,9 @@ def _shared_files() -> tuple[str, str, str]:
 
 
 def no_such_bucket(error: BaseException) -> bool:
+    response = getattr(error, "response", None)  # botocore's ClientError
+    if isinstance(response, dict):
+        return bool(response.get("Error", {}).get("Code") == "NoSuchBucket")
     return "<Code>NoSuchBucket</Code>" in str(error)
 
 
@@ -126,8 +129,8 @@ def s3_error(
             )
         return EndpointUnreachable(
             f"{what}: cannot reach the S3 endpoint {endpoint} ({reason}); gave up after "
-            f"{elapsed:.1f} s (retry_timeout={options.retry_timeout:g} s, "
-            f"max_retries={options.max_retries}): {hint}"
+            f"{elapsed:.1f} s (timeout={options.timeout:g} s a request, retry_timeout="
+            f"{options.retry_timeout:g} s, max_retries={options.max_retries}): {hint}"
         )
     if no_such_bucket(error):
         reason += f" (the endpoint {endpoint} has no bucket {bucket!r}: create it, or fix the URI)"
