@@ -26,7 +26,7 @@ _STATUS = re.compile(r"status code: (\d{3}[^:]*): ?(.*)", re.DOTALL)
 _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 _CONNECT = re.compile(r'ConnectError\(\s*"([^"]+)"')
 _DETAIL = re.compile(r'(?:message|error): "([^"]+)"')
-PASS_KEYS = (
+_PASS_KEYS = (
     'storage_options={"access_key_id": ..., "secret_access_key": ...} (with "session_token" '
     "for temporary credentials), or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the "
     "environment of every rank, or AWS_PROFILE to a profile of the shared files"
@@ -54,25 +54,27 @@ def boto3_credentials(uri: str, bucket: str) -> Any:
     try:
         import boto3
         import botocore.exceptions
+        import botocore.session
         from obstore.auth.boto3 import Boto3CredentialProvider
     except ImportError:
         return None
     try:
-        session = boto3.Session()
+        core = botocore.session.get_session()
+        session = boto3.Session(botocore_session=core)
         found = session.get_credentials()
     except botocore.exceptions.BotoCoreError as e:  # a profile that does not exist...
         credentials, config, _ = _shared_files()
         raise CheckpointError(
             f"{uri}: no AWS credentials for bucket {bucket!r}: {e} in {credentials} or "
-            f"{config} (set by AWS_PROFILE). Pass them with {PASS_KEYS}."
+            f"{config} (set by AWS_PROFILE). Pass them with {_PASS_KEYS}."
         ) from e
     if found is None:
-        resolver = session._session.get_component("credential_provider")
+        resolver = core.get_component("credential_provider")
         tried = [_source(p.METHOD) for p in resolver.providers]
         raise CheckpointError(
             f"{uri}: no AWS credentials found for bucket {bucket!r}. Looked in, in order: "
             + "; ".join(tried)
-            + f". Pass them with {PASS_KEYS}."
+            + f". Pass them with {_PASS_KEYS}."
         )
     return Boto3CredentialProvider(session)
 
