@@ -8,7 +8,8 @@ Object storage is not a file system, so this backend never renames or copies:
 - reads are parallel ranged GETs of ``part_size`` pieces;
 - throttling (503 SlowDown), 5xx, timeouts and dropped connections are retried with
   exponential backoff and jitter until ``retry_timeout``; past it the error names the
-  object and the operation.
+  object, the operation and what the server said, or the endpoint it could not reach
+  and after how long (storage/s3_errors.py).
 
 Multipart uploads that a failure (or a killed process) leaves behind are aborted when
 their object's write fails and when their step is deleted. obstore does not list
@@ -19,14 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from functools import cached_property
 from typing import Any
+from urllib.parse import urlsplit
 
 from unbroken.errors import CheckpointError
+from unbroken.storage.s3_errors import (
+    EndpointUnreachable,
+    boto3_credentials,
+    no_such_bucket,
+    path_style_by_default,
+    s3_error,
+)
 
 _MIB = 1 << 20
 
@@ -38,7 +48,9 @@ class S3Options:
 
     endpoint: str | None = None  # e.g. "http://127.0.0.1:7480"; default: AWS
     region: str | None = None
-    path_style: bool = False  # https://endpoint/bucket/key instead of bucket.endpoint
+    # https://endpoint/bucket/key instead of https://bucket.endpoint/key; None: path style
+    # for an endpoint given as an IP address or localhost, as boto3 does
+    path_style: bool | None = None
     access_key_id: str | None = None
     secret_access_key: str | None = None
     session_token: str | None = None
@@ -55,6 +67,20 @@ class S3Options:
             raise ValueError(f"concurrency={self.concurrency}: at least one request at a time")
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ValueError("give both access_key_id and secret_access_key, or neither")
+        if self.path_style is False and self.endpoint and path_style_by_default(self.endpoint):
+            host = urlsplit(self.endpoint).hostname
+            if host != "localhost":
+                raise ValueError(
+                    f"path_style=False puts the bucket in the host name, and {self.endpoint} "
+                    "is an IP address: leave path_style out (an IP endpoint takes path-style "
+                    "requests by itself), or name the server by a host name"
+                )
+
+    @property
+    def uses_path_style(self) -> bool:
+        if self.path_style is None:
+            return path_style_by_default(self.endpoint)
+        return self.path_style
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> S3Options:
@@ -74,9 +100,9 @@ class S3Storage:
         self.uri = uri.rstrip("/")
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.options = options
-        config: dict[str, Any] = {"virtual_hosted_style_request": not options.path_style}
+        config: dict[str, Any] = {"virtual_hosted_style_request": not options.uses_path_style}
         if options.endpoint:
-            config["endpoint"] = options.endpoint
+            config["endpoint"] = self._bucket_endpoint()
             config["allow_http"] = options.endpoint.startswith("http://")
         if options.region:
             config["region"] = options.region
@@ -87,7 +113,7 @@ class S3Storage:
             if options.session_token:
                 config["session_token"] = options.session_token
         elif not os.environ.get("AWS_ACCESS_KEY_ID"):
-            provider = _boto3_credentials()
+            provider = boto3_credentials(uri, bucket)
         self.store = S3Store(
             bucket,
             prefix=self.prefix or None,
@@ -109,54 +135,80 @@ class S3Storage:
         )
         self._pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="unbroken-s3")
 
+    def _bucket_endpoint(self) -> str | None:
+        """The endpoint obstore sends requests to: with virtual-hosted addressing, it takes
+        the endpoint as the bucket's own, so the bucket goes in front of the host name."""
+        endpoint = self.options.endpoint
+        if not endpoint or self.options.uses_path_style:
+            return endpoint
+        parts = urlsplit(endpoint)
+        if (parts.hostname or "").startswith(f"{self.bucket}."):
+            return endpoint
+        return parts._replace(netloc=f"{self.bucket}.{parts.netloc}").geturl()
+
     def _where(self, path: str) -> str:
         return f"{self.uri}/{path}"
+
+    @contextlib.contextmanager
+    def _request(self, operation: str, path: str, detail: str = "") -> Iterator[None]:
+        """Any error of the client becomes a `CheckpointError` naming the operation, the
+        object and what the server said; `FileNotFoundError` (no such object, but not no
+        such bucket), `FileExistsError` and `EOFError` keep their meaning."""
+        start = time.monotonic()
+        what = f"{operation} {self._where(path)}{detail}"
+        try:
+            yield
+        except FileNotFoundError as e:
+            if not no_such_bucket(e):
+                raise FileNotFoundError(f"{self._where(path)}: no such object") from None
+            raise s3_error(what, e, time.monotonic() - start, self.options, self.bucket) from e
+        except (FileExistsError, EOFError, CheckpointError):
+            raise
+        except Exception as e:
+            raise s3_error(what, e, time.monotonic() - start, self.options, self.bucket) from e
 
     def write(self, path: str, parts: Sequence[memoryview | bytes]) -> None:
         import obstore
 
         total = sum(memoryview(p).nbytes for p in parts)
+        multipart = total > self.options.part_size
         try:
-            obstore.put(
-                self.store,
-                path,
-                iter([memoryview(p).cast("B") for p in parts]),
-                use_multipart=total > self.options.part_size,
-                chunk_size=self.options.part_size,
-                max_concurrency=self.options.concurrency,
-            )
-        except Exception as e:
+            with self._request("PUT", path, f" ({total} bytes{', multipart' * multipart})"):
+                obstore.put(
+                    self.store,
+                    path,
+                    iter([memoryview(p).cast("B") for p in parts]),
+                    use_multipart=multipart,
+                    chunk_size=self.options.part_size,
+                    max_concurrency=self.options.concurrency,
+                )
+        except EndpointUnreachable:
+            raise  # an abort would fail the same way; deleting the step aborts them later
+        except CheckpointError:
             self._abort_uploads(path)
-            raise CheckpointError(f"{self._where(path)}: upload failed: {e}") from e
+            raise
 
     def commit(self, path: str, data: bytes) -> None:
         import obstore
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
-        try:
-            obstore.put(self.store, path, data, mode="create")
-        except (AlreadyExistsError, PreconditionError):
-            raise FileExistsError(self._where(path)) from None
-        except Exception as e:
-            raise CheckpointError(f"{self._where(path)}: conditional PUT failed: {e}") from e
+        with self._request("conditional PUT", path):
+            try:
+                obstore.put(self.store, path, data, mode="create")
+            except (AlreadyExistsError, PreconditionError):
+                raise FileExistsError(self._where(path)) from None
 
     def replace(self, path: str, data: bytes) -> None:
         import obstore
 
-        try:
+        with self._request("PUT", path):
             obstore.put(self.store, path, data)  # a PUT replaces an object atomically
-        except Exception as e:
-            raise CheckpointError(f"{self._where(path)}: PUT failed: {e}") from e
 
     def read(self, path: str) -> bytes:
         import obstore
 
-        try:
+        with self._request("GET", path):
             return bytes(obstore.get(self.store, path).bytes())
-        except FileNotFoundError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{self._where(path)}: GET failed: {e}") from e
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         view = out.cast("B")
@@ -177,13 +229,12 @@ class S3Storage:
         if not len(out):
             return
         try:
-            data = obstore.get_range(self.store, path, start=offset, length=len(out))
-        except FileNotFoundError:
-            raise
-        except Exception as e:
+            with self._request("GET", path, f" (bytes {offset}-{offset + len(out)})"):
+                data = obstore.get_range(self.store, path, start=offset, length=len(out))
+        except CheckpointError as e:
             if self.size(path) < offset + len(out):
                 raise EOFError(f"{self._where(path)} ends before byte {offset + len(out)}") from e
-            raise CheckpointError(f"{self._where(path)}: ranged GET failed: {e}") from e
+            raise
         if len(data) != len(out):
             raise EOFError(f"{self._where(path)} ends before byte {offset + len(out)}")
         out[:] = data  # obstore owns the response buffer: one copy, into the destination
@@ -191,17 +242,14 @@ class S3Storage:
     def size(self, path: str) -> int:
         import obstore
 
-        try:
+        with self._request("HEAD", path):
             return int(obstore.head(self.store, path)["size"])
-        except FileNotFoundError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{self._where(path)}: HEAD failed: {e}") from e
 
     def list(self, path: str) -> list[str]:
         import obstore
 
-        listing = obstore.list_with_delimiter(self.store, path or None)
+        with self._request("LIST", f"{path}/" if path else ""):
+            listing = obstore.list_with_delimiter(self.store, path or None)
         names = [p.rsplit("/", 1)[-1] for p in listing["common_prefixes"]]
         names += [o["path"].rsplit("/", 1)[-1] for o in listing["objects"]]
         return sorted(names)
@@ -209,8 +257,12 @@ class S3Storage:
     def delete(self, path: str) -> None:
         import obstore
 
-        paths = [o["path"] for batch in obstore.list(self.store, path) for o in batch]
-        with contextlib.suppress(FileNotFoundError):  # deleting nothing is fine
+        with self._request("LIST", f"{path}/"):
+            paths = [o["path"] for batch in obstore.list(self.store, path) for o in batch]
+        with (
+            self._request("DELETE", path, f" and {len(paths)} objects under it"),
+            contextlib.suppress(FileNotFoundError),  # deleting nothing is fine
+        ):
             obstore.delete(self.store, [path, *paths])
         self._abort_uploads(f"{path}/")
 
@@ -218,6 +270,7 @@ class S3Storage:
         """Abort multipart uploads in progress under ``path`` (best effort: a bucket
         lifecycle rule for incomplete uploads is the backstop)."""
         key = f"{self.prefix}/{path}" if self.prefix else path
+        start = time.monotonic()
         try:
             pages = self._boto3.get_paginator("list_multipart_uploads").paginate(
                 Bucket=self.bucket, Prefix=key
@@ -230,9 +283,9 @@ class S3Storage:
         except Exception as e:  # never hide the error that brought us here
             import logging
 
-            logging.getLogger("unbroken").warning(
-                "could not abort multipart uploads under %s: %s", self._where(path), e
-            )
+            what = f"LIST and ABORT multipart uploads under {self._where(path)}"
+            error = s3_error(what, e, time.monotonic() - start, self.options, self.bucket)
+            logging.getLogger("unbroken").warning("could not abort uploads: %s", error)
 
     @cached_property
     def _boto3(self) -> Any:
@@ -248,7 +301,7 @@ class S3Storage:
             aws_secret_access_key=o.secret_access_key,
             aws_session_token=o.session_token,
             config=Config(
-                s3={"addressing_style": "path" if o.path_style else "auto"},
+                s3={"addressing_style": _addressing(o)},
                 retries={"mode": "standard", "max_attempts": 5},
             ),
         )
@@ -257,9 +310,7 @@ class S3Storage:
         return f"S3Storage({self.uri!r})"
 
 
-def _boto3_credentials() -> Any:
-    try:
-        from obstore.auth.boto3 import Boto3CredentialProvider
-    except ImportError:  # boto3 missing: obstore's own environment lookup still applies
-        return None
-    return Boto3CredentialProvider()
+def _addressing(options: S3Options) -> str:
+    if options.uses_path_style:
+        return "path"
+    return "virtual" if options.path_style is False else "auto"
