@@ -133,7 +133,12 @@ def test_readme_code_is_excerpts_of_the_examples():
     order (``...`` stands for lines left out), so the README's code runs as the file does."""
     readme = (EXAMPLES.parent / "README.md").read_text()
     blocks = re.findall(r"From `examples/(\w+\.py)`:\n\n```python\n(.*?)```", readme, re.S)
-    assert {name for name, _ in blocks} >= {"single_process.py", "ddp.py"}
+    assert {name for name, _ in blocks} >= {
+        "single_process.py",
+        "ddp.py",
+        "in_process.py",
+        "object_storage.py",
+    }
     for name, block in blocks:
         lines = iter((EXAMPLES / name).read_text().splitlines())
         for line in block.splitlines():
