@@ -71,3 +71,21 @@ def test_a_missing_step_names_the_committed_ones(directory):
         directory.manifest(9)
     with pytest.raises(CheckpointError, match="committed by another writer meanwhile"):
         directory.commit(directory.manifest(3))
+
+
+def test_keeping_everything_costs_no_listing(tmp_path):
+    """Retention runs after every save: with keep=None it must not list the directory
+    (a LIST and a HEAD per step on object stores)."""
+
+    class NoListing:
+        def __init__(self, storage):
+            self.storage = storage
+
+        def __getattr__(self, name):
+            return getattr(self.storage, name)
+
+        def list(self, path):
+            raise AssertionError(f"listed {path!r}")
+
+    directory = Directory(NoListing(open_storage(str(tmp_path))), str(tmp_path))
+    assert directory.retain(None) == []

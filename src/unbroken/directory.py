@@ -107,7 +107,10 @@ class Directory:
 
     def retain(self, keep: int | None) -> list[int]:
         """Delete all but the newest ``keep`` committed steps (``None``: keep all);
-        returns the steps deleted."""
+        returns the steps deleted. With ``None`` it lists nothing: this runs after
+        every save, and a listing costs requests on object stores."""
+        if keep is None:
+            return []
         doomed = expired(self.steps(), keep)
         for step in doomed:
             self.delete(step)
@@ -129,7 +132,9 @@ def expired(steps: list[int], keep: int | None) -> list[int]:
     delete so that the newest ``keep`` remain."""
     if keep is None:
         return []
-    return steps[:-keep] if keep else list(steps)
+    if keep < 1:
+        raise ValueError(f"keep={keep}: the newest checkpoint is never deleted")
+    return steps[:-keep]
 
 
 def _summary(steps: list[int]) -> str:
