@@ -9,7 +9,7 @@ import torch
 import unbroken
 from conftest import make_model, train_steps
 from unbroken import Checkpointer, CheckpointError, CorruptCheckpointError
-from unbroken.format import MANIFEST, step_dir
+from unbroken.format import MANIFEST, VERSION, step_dir
 
 
 def _state(seed=0):
@@ -187,9 +187,9 @@ def test_requested_step_does_not_exist(saved):
 def test_manifest_from_a_newer_format_version(saved):
     path = saved / step_dir(2) / MANIFEST
     raw = json.loads(path.read_text())
-    raw["version"] = 2
+    raw["version"] = VERSION + 1
     path.write_text(json.dumps(raw))
-    _restore_fails(saved, _state(), "format version 2, newer than this unbroken reads")
+    _restore_fails(saved, _state(), f"format version {VERSION + 1}, newer than this unbroken reads")
 
 
 def test_truncated_shard_file(saved):

@@ -16,6 +16,7 @@ def test_public_api_is_small_and_importable():
         "CorruptCheckpointError",
         "Origin",
         "PendingSave",
+        "PerRank",
         "Progress",
         "RNGState",
         "Restored",

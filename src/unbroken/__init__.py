@@ -9,6 +9,7 @@
 from unbroken.background import PendingSave
 from unbroken.checkpointer import Checkpointer
 from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.reshard import PerRank
 from unbroken.sources import Origin, Restored
 from unbroken.state import Progress, RNGState, Stateful
 
@@ -18,6 +19,7 @@ __all__ = [
     "CorruptCheckpointError",
     "Origin",
     "PendingSave",
+    "PerRank",
     "Progress",
     "RNGState",
     "Restored",

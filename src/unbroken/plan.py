@@ -28,14 +28,16 @@ class Block:
     local_shape: tuple[int, ...]
     nbytes: int
     xxh3: str
+    pieces: list[str] | None = None  # see format.Checksums
+    piece_bytes: int | None = None
 
     def to_json(self) -> list[object]:
         return [self.key, self.dtype, self.shape, self.offsets, self.local_shape, self.nbytes,
-                self.xxh3]  # fmt: skip
+                self.xxh3, self.pieces, self.piece_bytes]  # fmt: skip
 
     @classmethod
     def from_json(cls, row: list[object]) -> Block:
-        key, dtype, shape, offsets, local_shape, nbytes, xxh3 = row
+        key, dtype, shape, offsets, local_shape, nbytes, xxh3, pieces, piece_bytes = row
         return cls(
             key=str(key),
             dtype=str(dtype),
@@ -44,6 +46,8 @@ class Block:
             local_shape=tuple(local_shape),  # type: ignore[arg-type]
             nbytes=int(nbytes),  # type: ignore[call-overload]
             xxh3=str(xxh3),
+            pieces=pieces,  # type: ignore[arg-type]
+            piece_bytes=piece_bytes,  # type: ignore[arg-type]
         )
 
 
@@ -96,6 +100,8 @@ def make_plan(blocks_by_rank: list[list[Block]]) -> WritePlan:
             offsets=list(b.offsets),
             shape=list(b.local_shape),
             xxh3=b.xxh3,
+            pieces=b.pieces,
+            piece_bytes=b.piece_bytes,
             ranks=ranks if values_per_region[b.key, b.offsets] > 1 else None,
         )
         tensors[b.key].chunks.append(chunk)

@@ -25,7 +25,8 @@ from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.format import Chunk, Manifest, TensorEntry, checksum, verify_block
 from unbroken.memory import MemoryTier
-from unbroken.shards import byte_view, dtensor_offsets
+from unbroken.reshard import saved_objects
+from unbroken.shards import byte_view, dtensor_offsets, overlap
 from unbroken.sources import Fill, Origin, Restored
 from unbroken.state import capture, decode, is_stateful, prune, tensor_keys
 
@@ -105,13 +106,12 @@ def _check(
     """Check everything a restore will touch, and list what it reads."""
     source = choice.source
     manifest = source.open()
-    if manifest.world_size != comm.world_size:
-        raise CheckpointError(
-            f"{source.where} was saved by {manifest.world_size} ranks and this job has "
-            f"{comm.world_size}; restore it with the same number of ranks"
-        )
-    current, _ = capture(state)
-    tree = _select(source.where, manifest.objects_for(comm.rank), state, current, strict)
+    # Saved by another number of ranks: tensors are resharded by region, per-rank state
+    # follows the rule of `unbroken.reshard`.
+    saved, kept = saved_objects(source.where, manifest, state, comm.rank, comm.world_size)
+    live = {name: value for name, value in state.items() if name not in kept}
+    current, _ = capture(live)
+    tree = _select(source.where, saved, live, current, strict)
     targets = _targets(source.where, manifest, tree, current, comm.rank)
     source.check(manifest, {c.file for t in targets for c in t.chunks})
     return manifest, tree, targets
@@ -164,7 +164,14 @@ def _targets(
                     f"but {list(dest.shape)} in the state; build the model with the "
                     "configuration it was saved with"
                 )
-            chunks = [c for c in entry.chunks if c.ranks is None or rank in c.ranks]
+            # Only the chunks overlapping this rank's part: the others are never opened.
+            shape = entry.shape if region is None else list(region.shape)
+            chunks = [
+                c
+                for c in entry.chunks
+                if (c.ranks is None or rank in c.ranks)
+                and (not shape or overlap(offsets, shape, c.offsets, c.shape) is not None)
+            ]
             targets.append(_Target(key, entry, dest, region, offsets, chunks))
     return targets
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ import torch
 from unbroken.directory import Directory
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
-from unbroken.format import Manifest, checksum, dtype_name, step_dir
+from unbroken.format import Manifest, block_checksums, dtype_name, step_dir
 from unbroken.plan import Block, WritePlan, make_plan
 from unbroken.shards import byte_view, local_block, write_blocks
 from unbroken.staging import Arena
@@ -149,7 +149,7 @@ def _describe(ctx: SaveContext, staged: Staged) -> list[Block]:
             offsets=offsets,
             local_shape=tuple(t.shape),
             nbytes=t.nbytes,
-            xxh3=checksum(byte_view(t)),
+            **asdict(block_checksums(byte_view(t))),
         )
         for key, t, offsets, shape in zip(
             staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True
