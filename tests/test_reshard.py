@@ -28,22 +28,26 @@ KINDS = ("fsdp", "hsdp", "ddp")
 ROWS = 2050  # uneven on 4 and 3 ranks; a 4-rank shard (1.3 MB) spans two checksum pieces
 
 
-def _build(kind: str, seed: int, mesh_shape: tuple[int, ...]) -> tuple[nn.Module, object]:
+def _build(
+    kind: str, seed: int, mesh_shape: tuple[int, ...]
+) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+    """The model to run (wrapped: DDP, or FSDP2 on a mesh of ``mesh_shape``), the module
+    whose state is saved, and its optimizer. No mesh: a plain module, no process group."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(seed)
-    model: nn.Module = nn.Sequential(nn.Embedding(ROWS, 640), nn.Linear(640, 5))
-    inner = model
+    inner = nn.Sequential(nn.Embedding(ROWS, 640), nn.Linear(640, 5))
+    model: nn.Module = inner
     if kind == "ddp" and mesh_shape:
-        model = DDP(model)
+        model = DDP(inner)
     elif kind != "ddp" and mesh_shape:
         names = ("replicate", "shard")[-len(mesh_shape) :]
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        fully_shard(model[0], mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model, (inner, torch.optim.Adam(model.parameters(), lr=0.01))
+        fully_shard(inner[0], mesh=mesh)
+        fully_shard(inner, mesh=mesh)
+    return model, inner, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
 def _full(state: dict) -> dict[str, torch.Tensor]:
@@ -64,10 +68,10 @@ def _save_job(rank: int, world: int, root: str) -> None:
     from unbroken.state import Progress, RNGState
 
     for kind in KINDS:
-        model, (inner, optim) = _build(kind, 0, _mesh(kind, world))
+        model, inner, optim = _build(kind, 0, _mesh(kind, world))
         torch.manual_seed(rank)
         model(torch.randint(0, ROWS, (4, 3))).pow(2).mean().backward()
-        optim.step()  # type: ignore[attr-defined]
+        optim.step()
         state = {"model": inner, "optim": optim, "progress": Progress(step=1)}
         state |= {"rng": RNGState(), "data": Progress(position=100 * rank)}  # per-rank
         full = _full({"model": inner, "optim": optim})
@@ -88,9 +92,9 @@ def _restore_job(rank: int, world: int, root: str, sources: tuple[str, ...]) -> 
     out: dict = {"wrong": []}
     for source in sources:
         kind = source.split("-")[0]
-        _, (inner, optim) = _build(kind, 7 + rank, _mesh(kind, world) if world > 1 else ())
-        data = unbroken.Progress(position=-1)
-        state = {"model": inner, "optim": optim, "progress": unbroken.Progress(step=0)}
+        _, inner, optim = _build(kind, 7 + rank, _mesh(kind, world) if world > 1 else ())
+        data, progress = unbroken.Progress(position=-1), unbroken.Progress(step=0)
+        state: dict[str, object] = {"model": inner, "optim": optim, "progress": progress}
         if world > 1:  # per-rank entries: refused until the state says what to do
             try:
                 unbroken.Checkpointer(f"{root}/{source}").restore(
@@ -103,7 +107,7 @@ def _restore_job(rank: int, world: int, root: str, sources: tuple[str, ...]) -> 
         memory = dict(memory=True, memory_dir=f"{root}/shm", job="j") if kind == "ddp" else {}
         ckpt = unbroken.Checkpointer(f"{root}/{source}", **memory)  # type: ignore[arg-type]
         ckpt.storage = counting = CountingReads(ckpt.storage)
-        assert ckpt.restore(state) == 1 and state["progress"].step == 1
+        assert ckpt.restore(state) == 1 and progress.step == 1
         out[source] = {"origin": ckpt.last_restore.origin.kind, "positions": data.position}  # type: ignore[union-attr]
         tensors, _ = capture({"model": inner, "optim": optim})
         out[source]["read"] = counting.reads
