@@ -1,9 +1,10 @@
 """FSDP2 (``fully_shard``) on CPU with gloo: each rank saves only its own shards, with
 their offsets in the whole tensor, and restores straight into them. Run it again and it
-continues from the newest checkpoint.
+continues from the newest checkpoint, on the same number of ranks or another.
 
     unbroken run --nproc-per-node 2 examples/fsdp2.py --dir runs/fsdp2 --steps 20
     torchrun --nproc-per-node 2 examples/fsdp2.py --dir runs/fsdp2 --steps 40  # resumes
+    torchrun --nproc-per-node 3 examples/fsdp2.py --dir runs/fsdp2 --steps 60  # reshards
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def main() -> None:
     fully_shard(model, mesh=mesh)  # parameters are now DTensors, sharded over the ranks
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     progress = unbroken.Progress(step=0)
-    state = {"model": model, "optim": optimizer, "rng": unbroken.RNGState(), "progress": progress}
+    # Each rank's random streams differ: on another number of ranks, keep this run's.
+    rng = unbroken.PerRank(unbroken.RNGState(), on_reshard="keep")
+    state = {"model": model, "optim": optimizer, "rng": rng, "progress": progress}
     torch.manual_seed(rank)  # different data on each rank
 
     with unbroken.Checkpointer(args.dir, keep=2) as ckpt:
