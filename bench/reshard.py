@@ -115,7 +115,9 @@ def sharded_state(mesh: DeviceMesh, total: int, fill: bool) -> dict[str, DTensor
         lo, hi = rows_of(shape[0], world, rank)
         row = math.prod(shape[1:])
         local = (
-            values(index, lo * row, hi * row, dtype) if fill else torch.zeros((hi - lo) * row, dtype=dtype)
+            values(index, lo * row, hi * row, dtype)
+            if fill
+            else torch.zeros((hi - lo) * row, dtype=dtype)
         )
         stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
         state[name] = DTensor.from_local(

@@ -18,7 +18,7 @@ from test_distributed import CountingReads
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import MANIFEST, PIECE_BYTES, Chunk, Manifest, TensorEntry, step_dir
 from unbroken.reshard import PerRank, saved_objects
-from unbroken.shards import fill
+from unbroken.shards import fill, fill_regions
 from unbroken.state import capture
 from unbroken.storage.local import LocalStorage
 
@@ -224,6 +224,29 @@ def test_a_version_1_checkpoint_restores_and_checks_whole_blocks(big):
     # Without pieces a partial read checks the whole block: the damage elsewhere is found.
     with pytest.raises(CorruptCheckpointError, match=r"tensor 't' in .* fails its checksum"):
         _fill_rows(path, manifest, 10, 20)
+
+
+class CountingRequests(CountingReads):
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.requests = 0
+
+    def read_into(self, path, offset, out):
+        self.requests += 1
+        return super().read_into(path, offset, out)
+
+
+def test_parts_of_many_small_blocks_are_fetched_in_one_request(tmp_path):
+    state = {f"t{i:02d}": torch.randn(8, 16) for i in range(40)}
+    unbroken.Checkpointer(tmp_path).save(1, state)
+    m = unbroken.Checkpointer(tmp_path).manifest(1)
+    out = {key: torch.empty(4, 16) for key in state}
+    targets = [(k, m.tensors[k], m.tensors[k].chunks, out[k], [2, 0]) for k in state]
+    storage = CountingRequests(LocalStorage(str(tmp_path)))
+    fill_regions(storage, step_dir(1), targets, threads=2)
+    assert all(torch.equal(out[k], state[k][2:6]) for k in state)
+    assert storage.requests == 1  # 40 blocks back to back, each checked whole
+    assert storage.reads == 40 * 8 * 16 * 4
 
 
 # -- the per-rank rule ----------------------------------------------------------------

@@ -3,7 +3,8 @@
 Writes go straight from tensor memory to storage (no serialisation buffer); reads go
 straight from storage into the destination tensor when its layout allows, so restoring
 into an existing model touches each byte once. Every block read is checked against its
-manifest checksum before anyone can use it.
+manifest checksum before anyone can use it; a part of a block (restoring on another
+number of ranks) is read and checked by whole checksum pieces (`fill_regions`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -187,72 +189,152 @@ def fill(
     storage: Storage, folder: str, key: str, entry: TensorEntry, chunks: Sequence[Chunk],
     dest: torch.Tensor, offsets: Sequence[int],
 ) -> None:  # fmt: skip
-    """Fill ``dest``, the region of the global tensor at ``offsets``, from ``chunks``:
-    each chunk that overlaps it is read only as far as `read_region` needs."""
+    """Fill ``dest``, the region of the global tensor at ``offsets``, from ``chunks``
+    (one `fill_regions` target)."""
     direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == entry.torch_dtype
-    covered = 0
     for chunk in chunks:
-        if chunk.offsets == list(offsets) and chunk.shape == list(dest.shape):
-            if direct:
-                read_chunk(storage, folder, key, entry, chunk, out=dest)
-            else:
-                dest.copy_(read_chunk(storage, folder, key, entry, chunk))
+        if direct and chunk.offsets == list(offsets) and chunk.shape == list(dest.shape):
+            read_chunk(storage, folder, key, entry, chunk, out=dest)
             return
-        region = overlap(offsets, dest.shape, chunk.offsets, chunk.shape)
-        if region is None:
-            continue
-        src = read_region(storage, folder, key, entry, chunk, region)
-        dst = dest
-        for dim, (lo, hi) in enumerate(region):
-            dst = dst.narrow(dim, lo - offsets[dim], hi - lo)
-        dst.copy_(src)
-        covered += math.prod(hi - lo for lo, hi in region)
-    if covered != dest.numel():
-        raise CheckpointError(
-            f"{folder}: the checkpoint does not hold all of tensor {key!r} for the region at "
-            f"{list(offsets)} of shape {list(dest.shape)}"
-        )
+    fill_regions(storage, folder, [(key, entry, chunks, dest, offsets)], threads=1)
 
 
-def read_region(
-    storage: Storage, folder: str, key: str, entry: TensorEntry, chunk: Chunk,
-    region: Sequence[tuple[int, int]],
-) -> torch.Tensor:  # fmt: skip
-    """The part ``region`` (``[lo, hi)`` per dimension, global indices) of ``chunk``.
+# -- regions cut from other blocks ----------------------------------------------------
+#
+# A restore onto another number of ranks fills each rank's shards from parts of the
+# stored blocks. All of a rank's regions are planned together: each overlap becomes a
+# byte span of its block (the pieces holding it, or the whole block if it has no
+# pieces); spans back to back in one file are fetched in one request (a rank's shards of
+# many small tensors sit together in the files of the ranks that saved them: one request
+# instead of hundreds, which is what counts on object stores); each span is checked
+# against its checksums before a byte of it is copied into a tensor.
 
-    A chunk with piece checksums is read from the first to the last piece holding a byte
-    of the region (in C order everything in between, so a region cut along dim 0, as
-    FSDP cuts, costs at most one extra piece at either end), and each piece is checked.
-    A chunk without them (small, or from a version-1 checkpoint) is read and checked
-    whole. Returns a strided view; every byte in it has passed its checksum."""
-    rel = [(lo - o, hi - o) for (lo, hi), o in zip(region, chunk.offsets, strict=True)]
+# (key, entry, chunks, dest, offsets): fill ``dest``, the region at ``offsets`` of tensor
+# ``key``, from those of ``chunks`` that overlap it.
+Target = tuple[str, TensorEntry, Sequence[Chunk], torch.Tensor, Sequence[int]]
+
+_DAMAGED = "; the file is damaged. Restore an earlier step (see `unbroken ls`)."
+
+
+@dataclass(frozen=True)
+class _Span:
+    """Bytes ``[lo, hi)`` of ``chunk`` (relative to its start) holding the overlap
+    ``region`` (global indices) of ``dest``, whose own region starts at ``offsets``."""
+
+    key: str
+    entry: TensorEntry
+    chunk: Chunk
+    lo: int
+    hi: int
+    region: list[tuple[int, int]]
+    dest: torch.Tensor
+    offsets: Sequence[int]
+
+    @property
+    def start(self) -> int:
+        return self.chunk.start + self.lo
+
+    @property
+    def end(self) -> int:
+        return self.chunk.start + self.hi
+
+
+def fill_regions(storage: Storage, folder: str, targets: Sequence[Target], threads: int) -> None:
+    """Fill every target; `CorruptCheckpointError` naming the tensor, file and bytes of
+    a span that fails its checksum, `CheckpointError` if a region is not covered."""
+    spans = []
+    for key, entry, chunks, dest, offsets in targets:
+        covered = 0
+        for chunk in chunks:
+            region = overlap(offsets, dest.shape, chunk.offsets, chunk.shape)
+            if region is not None:
+                spans.append(_span(key, entry, chunk, region, dest, offsets))
+                covered += math.prod(hi - lo for lo, hi in region)
+        if covered != dest.numel():
+            raise CheckpointError(
+                f"{folder}: the checkpoint does not hold all of tensor {key!r} for the region "
+                f"at {list(offsets)} of shape {list(dest.shape)}"
+            )
+
+    def run(group: list[_Span]) -> None:
+        data = bytearray(group[-1].end - group[0].start)
+        view = memoryview(data)
+        _read(storage, folder, group[0].key, group[0].chunk.file, group[0].start, view)
+        for span in group:
+            _place(folder, span, view[span.start - group[0].start : span.end - group[0].start])
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for done in pool.map(run, _groups(spans)):
+            del done
+
+
+def _span(
+    key: str, entry: TensorEntry, chunk: Chunk, region: list[tuple[int, int]],
+    dest: torch.Tensor, offsets: Sequence[int],
+) -> _Span:  # fmt: skip
+    """The bytes of ``chunk`` to read for ``region``: from the first to the last piece
+    holding a byte of it (in C order), or the whole chunk if it has no pieces."""
     if chunk.pieces is None or chunk.piece_bytes is None:
-        data = read_chunk(storage, folder, key, entry, chunk)
-        for dim, (lo, hi) in enumerate(rel):
-            data = data.narrow(dim, lo, hi - lo)
-        return data
+        return _Span(key, entry, chunk, 0, chunk.nbytes, region, dest, offsets)
     size = torch.empty((), dtype=entry.torch_dtype).element_size()
-    strides = [math.prod(chunk.shape[dim + 1 :]) for dim in range(len(chunk.shape))]
-    first = sum(lo * s for (lo, _), s in zip(rel, strides, strict=True))
-    last = sum((hi - 1) * s for (_, hi), s in zip(rel, strides, strict=True))
+    strides = _strides(chunk.shape)
+    rel = [(lo - o, hi - o) for (lo, hi), o in zip(region, chunk.offsets, strict=True)]
+    first = sum(lo * s for (lo, _), s in zip(rel, strides, strict=True)) * size
+    last = sum((hi - 1) * s for (_, hi), s in zip(rel, strides, strict=True)) * size + size
     piece = chunk.piece_bytes
-    lo_byte = first * size // piece * piece
-    hi_byte = min(-(-(last + 1) * size // piece) * piece, chunk.nbytes)
-    data = torch.empty((hi_byte - lo_byte) // size, dtype=entry.torch_dtype)
-    view = byte_view(data)
-    _read(storage, folder, key, chunk.file, chunk.start + lo_byte, view)
-    for index in range(lo_byte // piece, -(-hi_byte // piece)):
-        at = index * piece - lo_byte
-        verify_block(
-            view[at : at + piece],
-            chunk.pieces[index],
-            f"{folder}: tensor {key!r} in {chunk.file} (bytes {chunk.start + lo_byte + at}-"
-            f"{chunk.start + min(lo_byte + at + piece, chunk.nbytes)}, piece {index} of the "
-            f"block at {chunk.start}-{chunk.end})",
-            "; the file is damaged. Restore an earlier step (see `unbroken ls`).",
-        )
-    shape = [hi - lo for lo, hi in rel]
-    return data.as_strided(shape, strides, first - lo_byte // size)
+    lo_byte, hi_byte = first // piece * piece, min(-(-last // piece) * piece, chunk.nbytes)
+    return _Span(key, entry, chunk, lo_byte, hi_byte, region, dest, offsets)
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    return [math.prod(shape[dim + 1 :]) for dim in range(len(shape))]
+
+
+def _groups(spans: list[_Span]) -> list[list[_Span]]:
+    """Spans in file order; runs of small ones back to back in one file become one read."""
+    groups: list[list[_Span]] = []
+    for span in sorted(spans, key=lambda s: (s.chunk.file, s.start)):
+        last = groups[-1] if groups else None
+        if (
+            last is not None
+            and span.hi - span.lo < SMALL_BYTES
+            and last[-1].hi - last[-1].lo < SMALL_BYTES
+            and last[-1].chunk.file == span.chunk.file
+            and last[-1].end == span.start
+            and span.end - last[0].start <= GROUP_BYTES
+        ):
+            last.append(span)
+        else:
+            groups.append([span])
+    return groups
+
+
+def _place(folder: str, span: _Span, data: memoryview) -> None:
+    """Check ``data`` (the span's bytes) against its checksums, then copy the overlap
+    into the destination."""
+    chunk, where = span.chunk, f"{folder}: tensor {span.key!r} in {span.chunk.file}"
+    if chunk.pieces is None or chunk.piece_bytes is None:
+        verify_block(data, chunk.xxh3, f"{where} (bytes {chunk.start}-{chunk.end})", _DAMAGED)
+    else:
+        piece = chunk.piece_bytes
+        for index in range(span.lo // piece, -(-span.hi // piece)):
+            at, lo = index * piece - span.lo, chunk.start + index * piece
+            hi = min(lo + piece, chunk.end)
+            block = f"the block at {chunk.start}-{chunk.end}"
+            what = f"{where} (bytes {lo}-{hi}, piece {index} of {block})"
+            verify_block(data[at : at + piece], chunk.pieces[index], what, _DAMAGED)
+    dtype = span.entry.torch_dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    flat = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
+    strides = _strides(chunk.shape)
+    first = sum(
+        (lo - o) * s for (lo, _), o, s in zip(span.region, chunk.offsets, strides, strict=True)
+    )
+    src = flat.as_strided([hi - lo for lo, hi in span.region], strides, first - span.lo // size)
+    dst = span.dest
+    for dim, (lo, hi) in enumerate(span.region):
+        dst = dst.narrow(dim, lo - span.offsets[dim], hi - lo)
+    dst.copy_(src)
 
 
 def overlap(

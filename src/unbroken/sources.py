@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -31,7 +30,7 @@ from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.format import Chunk, Manifest, TensorEntry, step_dir, verify_block
 from unbroken.memory import Slots
-from unbroken.shards import byte_view, fill, read_many
+from unbroken.shards import byte_view, fill_regions, read_many
 from unbroken.storage import Storage
 from unbroken.storage.local import LocalStorage
 
@@ -153,12 +152,10 @@ class _Files:
         # block's read (which releases it), and keep several reads in flight.
         verify = not self._verified
         read_many(self.storage, self.folder, whole, threads, verify=verify)
-        with ThreadPoolExecutor(threads) as pool:
-            for done in pool.map(self._fill, partial):
-                del done
-
-    def _fill(self, f: Fill) -> None:
-        fill(self.storage, self.folder, f.key, f.entry, f.chunks, f.region, f.offsets)
+        # Regions cut from other blocks (another number of ranks): planned together, so
+        # that neighbouring pieces are fetched in one request.
+        targets = [(f.key, f.entry, f.chunks, f.region, f.offsets) for f in partial]
+        fill_regions(self.storage, self.folder, targets, threads)
 
 
 class StorageSource(_Files):
