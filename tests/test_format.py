@@ -74,8 +74,9 @@ def test_shard_files_are_readable_by_safetensors(tmp_path):
             assert torch.equal(f.get_tensor(key), state[key])
 
 
-def _block(key, xxh3, nbytes=100, offsets=(0,), shape=(10,), local=(10,)):
+def _block(key, xxh3, nbytes=100, offsets=(0,), shape=(10,), local=(10,), alias_of=None):
     return Block(
+        alias_of=alias_of,
         key=key,
         dtype="F32",
         shape=shape,
@@ -127,3 +128,13 @@ def test_plan_refuses_keys_whose_shape_differs_between_ranks():
         CheckpointError, match="'w' is F32\\[10\\] on rank 0 but F32\\[12\\] on rank 1"
     ):
         make_plan([[_block("w", "1")], [_block("w", "1", shape=(12,), local=(12,))]])
+
+
+def test_plan_stores_a_tied_tensor_once_only_where_every_holder_ties_it():
+    tied = [_block("wte", "1"), _block("head", "1", alias_of="wte")]
+    plan = make_plan([tied, tied])
+    assert sorted(k for keys in plan.writes for k in keys) == ["wte"]
+    assert plan.tensors["head"].chunks is plan.tensors["wte"].chunks
+    # Rank 1 holds the two as separate tensors (equal bytes): stored as usual.
+    plan = make_plan([tied, [_block("wte", "1"), _block("head", "1")]])
+    assert sorted(k for keys in plan.writes for k in keys) == ["head", "wte"]

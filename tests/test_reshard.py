@@ -249,6 +249,33 @@ def test_parts_of_many_small_blocks_are_fetched_in_one_request(tmp_path):
     assert storage.reads == 40 * 8 * 16 * 4
 
 
+class Tied(nn.Module):
+    """GPT-2's pattern: the output layer is the token embedding (one storage, two keys)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.wte, self.lm_head = nn.Embedding(300, 64), nn.Linear(64, 300, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_tied_tensors_are_stored_once_and_stay_tied(tmp_path, blocking):
+    saved = Tied(0)
+    with unbroken.Checkpointer(tmp_path) as writer:  # closing waits for a background save
+        writer.save(1, {"model": saved}, blocking=blocking)
+    manifest = json.loads((tmp_path / step_dir(1) / MANIFEST).read_text())
+    chunks = [manifest["tensors"][f"model/{k}.weight"]["chunks"] for k in ("wte", "lm_head")]
+    assert chunks[0] == chunks[1]  # both entries name the same bytes
+    assert sum(manifest["files"].values()) < 300 * 64 * 4 + 4096
+    model = Tied(1)
+    ckpt = unbroken.Checkpointer(tmp_path)
+    ckpt.storage = counting = CountingReads(ckpt.storage)
+    assert ckpt.restore({"model": model}) == 1
+    assert model.lm_head.weight is model.wte.weight
+    assert torch.equal(model.wte.weight, saved.wte.weight) and counting.reads == 300 * 64 * 4
+
+
 # -- the per-rank rule ----------------------------------------------------------------
 
 

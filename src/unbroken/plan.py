@@ -30,14 +30,15 @@ class Block:
     xxh3: str
     pieces: list[str] | None = None  # see format.Checksums
     piece_bytes: int | None = None
+    alias_of: str | None = None  # the key of a block sharing this one's storage (tied)
 
     def to_json(self) -> list[object]:
         return [self.key, self.dtype, self.shape, self.offsets, self.local_shape, self.nbytes,
-                self.xxh3, self.pieces, self.piece_bytes]  # fmt: skip
+                self.xxh3, self.pieces, self.piece_bytes, self.alias_of]  # fmt: skip
 
     @classmethod
     def from_json(cls, row: list[object]) -> Block:
-        key, dtype, shape, offsets, local_shape, nbytes, xxh3, pieces, piece_bytes = row
+        key, dtype, shape, offsets, local_shape, nbytes, xxh3, pieces, piece_bytes, alias = row
         return cls(
             key=str(key),
             dtype=str(dtype),
@@ -48,6 +49,7 @@ class Block:
             xxh3=str(xxh3),
             pieces=pieces,  # type: ignore[arg-type]
             piece_bytes=piece_bytes,  # type: ignore[arg-type]
+            alias_of=alias,  # type: ignore[arg-type]
         )
 
 
@@ -64,12 +66,15 @@ class WritePlan:
 def make_plan(blocks_by_rank: list[list[Block]]) -> WritePlan:
     """Deterministic: every rank computes the same plan from the same gathered input."""
     world = len(blocks_by_rank)
+    aliases = _aliases(blocks_by_rank)
     tensors: dict[str, TensorEntry] = {}
     holders: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
     first: dict[tuple[str, tuple[int, ...], str], Block] = {}
     owner_of_key: dict[str, int] = {}
     for rank, blocks in enumerate(blocks_by_rank):
         for b in blocks:
+            if b.key in aliases:
+                continue
             entry = tensors.get(b.key)
             if entry is None:
                 tensors[b.key] = TensorEntry(dtype=b.dtype, shape=list(b.shape))
@@ -109,4 +114,31 @@ def make_plan(blocks_by_rank: list[list[Block]]) -> WritePlan:
         chunk_of[writer, b.key] = chunk
     for entry in tensors.values():
         entry.chunks.sort(key=lambda c: (c.offsets, c.ranks or []))
+    for key, original in aliases.items():  # the same chunks: both keys name the same bytes
+        b = next(b for blocks in blocks_by_rank for b in blocks if b.key == key)
+        tensors[key] = TensorEntry(
+            dtype=b.dtype, shape=list(b.shape), chunks=tensors[original].chunks
+        )
     return WritePlan(tensors=tensors, writes=writes, chunk_of=chunk_of)
+
+
+def _aliases(blocks_by_rank: list[list[Block]]) -> dict[str, str]:
+    """Keys stored as their original's bytes (tied tensors, e.g. an embedding and an output
+    layer sharing one weight): those every rank holding them holds as the same alias of
+    the same original, which those same ranks hold. Anything else is stored as usual."""
+    seen: dict[str, set[str | None]] = {}
+    holders: dict[str, set[int]] = {}
+    for rank, blocks in enumerate(blocks_by_rank):
+        for b in blocks:
+            seen.setdefault(b.key, set()).add(b.alias_of)
+            holders.setdefault(b.key, set()).add(rank)
+    aliases = {}
+    for key, originals in seen.items():
+        [original] = originals if len(originals) == 1 else [None]
+        if (
+            original is not None
+            and holders[key] == holders.get(original)
+            and seen[original] == {None}
+        ):
+            aliases[key] = original
+    return aliases

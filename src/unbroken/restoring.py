@@ -190,8 +190,15 @@ def _read(
     Returns every tensor by key, and the CPU buffers of those shared by broadcast."""
     comm = ctx.comm
     loaded, buffers, fills = {}, {}, []
+    first: dict[tuple[Any, ...], _Target] = {}  # live memory -> the target that fills it
     for t in targets:
         dest, region = t.dest, t.region
+        if dest is not None and region is not None and region.numel() and t.key not in readers:
+            ident = (region.data_ptr(), region.dtype, tuple(region.shape), region.stride())
+            twin = first.setdefault(ident, t)
+            if twin is not t and twin.chunks == t.chunks:  # tied, stored once: read once
+                loaded[t.key] = dest
+                continue
         if t.key in readers:  # read by one rank, then broadcast: needs a CPU buffer
             buffers[t.key] = region = _cpu_buffer(dest, t.entry)
             dest = region if dest is None else dest

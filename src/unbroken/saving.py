@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ class Staged:
     offsets: list[tuple[int, ...]]
     shapes: list[tuple[int, ...]]  # global shapes
     tree: dict[str, Any]
+    aliases: dict[str, str] = field(default_factory=dict)  # key -> key sharing its storage
     arena: Arena | None = None
     ready: torch.cuda.Event | None = None
     skipped: bool = False
@@ -62,8 +63,16 @@ def stage(step: int, state: Mapping[str, Any], arena: Arena | None) -> Staged:
     them as soon as this returns. Without one, the blocks are the live (CPU) tensors."""
     tensors, tree = capture(state)
     keys, blocks, offsets, shapes = [], [], [], []
+    aliases: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
     for key, t in tensors.items():
         local, where = local_block(t)
+        if local.numel():  # tied tensors (one storage, two keys) are stored once
+            ident = (local.data_ptr(), local.dtype, tuple(local.shape), where, tuple(t.shape))
+            if ident in first:
+                aliases[key] = first[ident]
+            else:
+                first[ident] = key
         if arena is None and local.is_cuda:
             local = local.cpu()
         keys.append(key)
@@ -75,7 +84,7 @@ def stage(step: int, state: Mapping[str, Any], arena: Arena | None) -> Staged:
         blocks, ready = arena.stage(blocks)
     return Staged(
         step=step, keys=keys, blocks=blocks, offsets=offsets, shapes=shapes, tree=tree,
-        arena=arena, ready=ready,
+        aliases=aliases, arena=arena, ready=ready,
     )  # fmt: skip
 
 
@@ -141,20 +150,27 @@ def _describe(ctx: SaveContext, staged: Staged) -> list[Block]:
         staged.ready.synchronize()
     if ctx.comm.rank == 0 and not staged.skipped:
         _clear(ctx.directory, staged.step)
-    return [
-        Block(
-            key=key,
-            dtype=dtype_name(t.dtype),
-            shape=shape,
-            offsets=offsets,
-            local_shape=tuple(t.shape),
-            nbytes=t.nbytes,
-            **asdict(block_checksums(byte_view(t))),
+    sums: dict[str, dict[str, Any]] = {}
+    blocks = []
+    for key, t, offsets, shape in zip(
+        staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True
+    ):
+        alias = staged.aliases.get(key)
+        if alias is None:  # an alias has its original's bytes: hashed once
+            sums[key] = asdict(block_checksums(byte_view(t)))
+        blocks.append(
+            Block(
+                key=key,
+                dtype=dtype_name(t.dtype),
+                shape=shape,
+                offsets=offsets,
+                local_shape=tuple(t.shape),
+                nbytes=t.nbytes,
+                alias_of=alias,
+                **sums[alias or key],
+            )
         )
-        for key, t, offsets, shape in zip(
-            staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True
-        )
-    ]
+    return blocks
 
 
 def _commit(ctx: SaveContext, step: int, plan: WritePlan, gathered: list[Any]) -> None:
