@@ -249,6 +249,20 @@ def test_parts_of_many_small_blocks_are_fetched_in_one_request(tmp_path):
     assert storage.reads == 40 * 8 * 16 * 4
 
 
+def test_partial_reads_from_s3_fetch_and_check_only_their_pieces(bucket):
+    uri, options = bucket
+    t = torch.randn(ROWS, 320)
+    ckpt = unbroken.Checkpointer(uri, storage_options=options)
+    ckpt.save(1, {"t": t})
+    m = ckpt.manifest(1)
+    out = torch.empty(100, 320)
+    storage = CountingRequests(ckpt.storage)
+    fill_regions(
+        storage, step_dir(1), [("t", m.tensors["t"], m.tensors["t"].chunks, out, [1000, 0])], 2
+    )
+    assert torch.equal(out, t[1000:1100]) and storage.reads == PIECE_BYTES
+
+
 class Tied(nn.Module):
     """GPT-2's pattern: the output layer is the token embedding (one storage, two keys)."""
 
