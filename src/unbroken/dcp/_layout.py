@@ -1,0 +1,153 @@
+"""How a DCP checkpoint sits in unbroken's format: one step directory, shard files in
+safetensors layout, and a manifest that carries DCP's metadata as JSON.
+
+The manifest is an ordinary unbroken manifest (so ``unbroken ls/show/verify/export``
+read it) with one extra top-level field, ``"dcp"``:
+
+- ``metadata``: DCP's `Metadata` as JSON (see `unbroken.dcp._metadata`), never pickle;
+- ``keys``: for each DCP fully-qualified name, the manifest key its chunks are under.
+
+Tensor chunks are stored as tensors. Bytes items (the non-tensor values DCP's planner
+serialises with ``torch.save``) are stored as opaque 1-D ``U8`` tensors under their own
+key, so their bytes are checksummed and verified like any tensor's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from unbroken.directory import Directory
+from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.format import MANIFEST, Chunk, Manifest, TensorEntry, checksum, step_dir
+
+FIELD = "dcp"
+LAYOUT_VERSION = 1  # of the "dcp" field; bumped on any change an older reader could misread
+
+
+def stored_chunk(
+    offsets: list[int], shape: list[int], file: str, start: int, end: int, data: memoryview
+) -> Chunk:
+    """The manifest entry for one block written to ``file`` at ``[start, end)`` whose bytes
+    are ``data``. Every chunk the DCP writer and the converter store is built here, so a
+    change of checksum grain (format VERSION 2) is a change of this one function."""
+    return Chunk(
+        offsets=list(offsets), shape=list(shape), file=file, start=start, end=end,
+        xxh3=checksum(data),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where one DCP item went: what a rank reports to the coordinator after writing."""
+
+    fqn: str
+    dtype: str  # unbroken dtype name; "U8" for bytes items
+    chunk: Chunk
+    file_size: int
+
+
+@dataclass(frozen=True)
+class DcpCheckpoint:
+    """A committed step written through `unbroken.dcp`: its manifest and DCP field."""
+
+    directory: Directory
+    manifest: Manifest
+    metadata: dict[str, Any]  # DCP metadata as JSON
+    keys: dict[str, str]  # fqn -> manifest key
+
+    @property
+    def folder(self) -> str:
+        return step_dir(self.manifest.step)
+
+
+def manifest_keys(fqns: list[str], paths: dict[str, list[str | int]] | None) -> dict[str, str]:
+    """The manifest key of each fqn: its path in the nested state dict joined by ``/``
+    (``model.0.weight`` from ``{"model": {"0.weight": ...}}`` is ``model/0.weight``, as
+    unbroken names it, so ``unbroken export --only model`` finds it); the fqn itself
+    where the planner recorded no path, or where two paths would give one key."""
+    keys = {
+        fqn: "/".join(map(str, paths[fqn])) if paths and fqn in paths else fqn for fqn in fqns
+    }
+    if len(set(keys.values())) != len(keys):
+        return {fqn: fqn for fqn in fqns}
+    return keys
+
+
+def commit(
+    directory: Directory, step: int, world_size: int, stored: list[Stored],
+    metadata: dict[str, Any], paths: dict[str, list[str | int]] | None,
+) -> None:  # fmt: skip
+    """Write the manifest of ``step`` atomically (the step exists from now on) and move
+    ``latest``. Refuses to replace a step another writer committed meanwhile."""
+    keys = manifest_keys(sorted({s.fqn for s in stored}), paths)
+    tensors: dict[str, TensorEntry] = {}
+    files: dict[str, int] = {}
+    sizes = metadata["state_dict"]
+    for s in sorted(stored, key=lambda s: (s.fqn, s.chunk.offsets)):
+        files[s.chunk.file] = s.file_size
+        entry = tensors.get(keys[s.fqn])
+        if entry is None:
+            shape = sizes[s.fqn].get("size", s.chunk.shape)
+            entry = tensors[keys[s.fqn]] = TensorEntry(dtype=s.dtype, shape=list(shape))
+        entry.chunks.append(s.chunk)
+    manifest = Manifest(
+        step=step, world_size=world_size, created=time.time(), tensors=tensors,
+        objects=[{}], rank_objects=[0] * world_size, files=files,
+    )  # fmt: skip
+    body = json.loads(manifest.to_json())
+    body[FIELD] = {"version": LAYOUT_VERSION, "metadata": metadata, "keys": keys}
+    try:
+        directory.storage.commit(
+            f"{step_dir(step)}/{MANIFEST}", json.dumps(body, separators=(",", ":")).encode()
+        )
+    except FileExistsError:
+        raise CheckpointError(
+            f"{directory.path}: step {step} was committed by another writer meanwhile"
+        ) from None
+    directory.move_latest(step)
+
+
+def refuse_committed(directory: Directory, step: int) -> None:
+    """Before writing ``step``: refuse to replace it, and remove what crashed saves left
+    (nobody can be writing them: only the coordinator calls this, before any rank writes)."""
+    if directory.is_committed(step):
+        raise CheckpointError(
+            f"{directory.path}: step {step} is already committed; save under a new step "
+            f"(unbroken.dcp.Writer(path, step=...)), or delete {step_dir(step)} first"
+        )
+    directory.clear_leftovers()
+
+
+def open_checkpoint(directory: Directory, step: int | None) -> DcpCheckpoint:
+    """The DCP view of ``step`` (default: the newest committed one)."""
+    if step is None:
+        step = directory.latest()
+        if step is None:
+            raise CheckpointError(f"{directory.path} holds no committed checkpoint")
+    manifest = directory.manifest(step)
+    where = f"{directory.path}/{step_dir(step)}/{MANIFEST}"
+    raw = json.loads(directory.storage.read(f"{step_dir(step)}/{MANIFEST}"))
+    field = raw.get(FIELD)
+    if field is None:
+        raise CheckpointError(
+            f"{where} was not written through unbroken.dcp (it has no DCP metadata): "
+            "restore it with unbroken.Checkpointer, or turn it into a DCP checkpoint with "
+            "`unbroken convert SRC DST --to dcp`"
+        )
+    if not isinstance(field, dict) or not isinstance(field.get("version"), int):
+        raise CorruptCheckpointError(f"{where}: its {FIELD!r} field is malformed")
+    if field["version"] > LAYOUT_VERSION:
+        raise CheckpointError(
+            f"{where} holds DCP metadata of layout version {field['version']}, newer than "
+            f"this unbroken reads ({LAYOUT_VERSION}); upgrade unbroken"
+        )
+    try:
+        metadata, keys = field["metadata"], field["keys"]
+    except KeyError as e:
+        raise CorruptCheckpointError(f"{where}: its {FIELD!r} field lacks {e}") from None
+    if missing := sorted(set(keys.values()) - set(manifest.tensors)):
+        raise CorruptCheckpointError(f"{where}: DCP items {missing[:5]} have no stored chunks")
+    return DcpCheckpoint(directory, manifest, metadata, keys)
