@@ -68,9 +68,7 @@ def manifest_keys(fqns: list[str], paths: dict[str, list[str | int]] | None) -> 
     (``model.0.weight`` from ``{"model": {"0.weight": ...}}`` is ``model/0.weight``, as
     unbroken names it, so ``unbroken export --only model`` finds it); the fqn itself
     where the planner recorded no path, or where two paths would give one key."""
-    keys = {
-        fqn: "/".join(map(str, paths[fqn])) if paths and fqn in paths else fqn for fqn in fqns
-    }
+    keys = {fqn: "/".join(map(str, paths[fqn])) if paths and fqn in paths else fqn for fqn in fqns}
     if len(set(keys.values())) != len(keys):
         return {fqn: fqn for fqn in fqns}
     return keys

@@ -128,7 +128,7 @@ class Reader(StorageReader):
             reads.append((where.key, where.entry, where.chunk, out))
             direct.append(target is not None)
         read_many(self.directory.storage, self._checkpoint.folder, reads, self.io_threads)
-        for (where, items), (_, _, _, data), placed in zip(batch, reads, direct, strict=True):
+        for (_, items), (_, _, _, data), placed in zip(batch, reads, direct, strict=True):
             for item in items:
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(data.numpy().tobytes()))

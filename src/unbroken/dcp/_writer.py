@@ -15,9 +15,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from unbroken.directory import Directory
 from unbroken.dcp._layout import Stored, commit, refuse_committed, stored_chunk
 from unbroken.dcp._metadata import to_json
+from unbroken.directory import Directory
 from unbroken.errors import CheckpointError
 from unbroken.format import dtype_name, step_dir
 from unbroken.shards import byte_view, write_blocks

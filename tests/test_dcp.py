@@ -1,0 +1,171 @@
+"""torch.distributed.checkpoint through unbroken.dcp: DCP's own save/load and planners,
+unbroken's storage, format and checksums; and `unbroken convert` between the formats."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import unbroken.dcp
+from ranks import run_ranks
+from unbroken.cli import main as cli
+from unbroken.directory import Directory
+from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.storage import open_storage
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model and an Adam that has taken one step (so it has state), from ``seed``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3 * (seed + 1))
+    model(torch.randn(5, 8)).pow(2).mean().backward()
+    optim.step()
+    return model, optim
+
+
+def dcp_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd}
+
+
+def assert_same(a: tuple[nn.Module, torch.optim.Optimizer], b: tuple) -> None:
+    for (name, x), y in zip(a[0].state_dict().items(), b[0].state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+    sa, sb = a[1].state_dict(), b[1].state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for i, state in sa["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, sb["state"][i][k]), (i, k)
+
+
+def load_into_fresh(reader: unbroken.dcp.Reader) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model, optim = build(seed=7)  # different values everywhere, lr included
+    state = dcp_state(model, optim)
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return model, optim
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_save_load_round_trip_and_unbroken_reads_it(where, tmp_path, request):
+    if where == "s3":
+        path, options = request.getfixturevalue("bucket")
+    else:
+        path, options = str(tmp_path / "ckpt"), None
+    saved = build(seed=0)
+    dcp.save(
+        dcp_state(*saved), storage_writer=unbroken.dcp.Writer(path, step=3, storage_options=options)
+    )
+    loaded = load_into_fresh(unbroken.dcp.Reader(path, storage_options=options))
+    assert_same(saved, loaded)
+
+    directory = Directory(open_storage(path, options), path)
+    assert directory.latest() == 3
+    manifest = directory.manifest(3)
+    assert manifest.tensors["model/0.weight"].shape == [32, 8]  # unbroken's key naming
+    raw = json.loads(directory.storage.read("step-000000003/manifest.json"))
+    assert raw["dcp"]["metadata"]["state_dict"]["model.0.weight"]["type"] == "tensor"
+    assert raw["dcp"]["metadata"]["state_dict"]["optim.param_groups.0.lr"] == {"type": "bytes"}
+    if where == "local":
+        assert cli(["verify", path]) == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_committed_step_is_never_replaced(tmp_path):
+    path = str(tmp_path / "ckpt")
+    state = dcp_state(*build(seed=0))
+    dcp.save(state, storage_writer=unbroken.dcp.Writer(path, step=1))
+    with pytest.raises(CheckpointException, match="step 1 is already committed") as failure:
+        dcp.save(state, storage_writer=unbroken.dcp.Writer(path, step=1))
+    assert isinstance(failure.value.failures[0][0], CheckpointError)
+    dcp.save(state, storage_writer=unbroken.dcp.Writer(path, step=2))
+    assert Directory(open_storage(path), path).steps() == [1, 2]
+
+
+@pytest.mark.timeout(30)
+def test_a_corrupted_byte_is_detected_and_named(tmp_path):
+    path = str(tmp_path / "ckpt")
+    dcp.save(dcp_state(*build(seed=0)), storage_writer=unbroken.dcp.Writer(path, step=1))
+    chunk = Directory(open_storage(path), path).manifest(1).tensors["model/2.weight"].chunks[0]
+    shard = tmp_path / "ckpt" / "step-000000001" / chunk.file
+    data = bytearray(shard.read_bytes())
+    data[chunk.start + 5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException) as failure:
+        load_into_fresh(unbroken.dcp.Reader(path))
+    error = failure.value.failures[0][0]  # DCP wraps each rank's error
+    assert isinstance(error, CorruptCheckpointError)
+    assert "tensor 'model/2.weight'" in str(error) and chunk.file in str(error)
+
+
+@pytest.mark.timeout(30)
+def test_reader_explains_a_checkpoint_not_written_through_dcp(tmp_path):
+    path = str(tmp_path / "ckpt")
+    model, _ = build(seed=0)
+    with unbroken.Checkpointer(path) as ckpt:
+        ckpt.save(1, {"model": model})
+    with pytest.raises(CheckpointException, match=r"was not written through unbroken\.dcp"):
+        load_into_fresh(unbroken.dcp.Reader(path))
+
+
+def _fsdp_save(rank: int, world: int, path: str, options: dict | None, full_out: str) -> None:
+    """Train an FSDP2 model one step on ``world`` ranks, save it through the Writer, and
+    (rank 0) torch.save the whole model and optimizer state to ``full_out``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    torch.manual_seed(rank)
+    model(torch.randn(5, 8)).pow(2).mean().backward()
+    optim.step()
+    writer = unbroken.dcp.Writer(path, step=1, storage_options=options)
+    dcp.save(dcp_state(model, optim), storage_writer=writer)
+    full = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:  # tensors in a result would need the rank alive to be read
+        torch.save({"model": full[0], "optim": full[1]}, full_out)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_fsdp2_save_on_two_ranks_loads_resharded_into_one_process(where, tmp_path, request):
+    if where == "s3":
+        path, options = request.getfixturevalue("bucket")
+    else:
+        path, options = str(tmp_path / "ckpt"), None
+    run_ranks(_fsdp_save, path, options, str(tmp_path / "full.pt"), world=2, timeout=60)
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    manifest = Directory(open_storage(path, options), path).manifest(1)
+    assert manifest.world_size == 2
+    # Each rank stored its own 16-row shard of the 32x8 weight and of its Adam moments.
+    for key in ("model/0.weight", "optim/state/0.weight/exp_avg"):
+        chunks = manifest.tensors[key].chunks
+        assert sorted((c.offsets, c.shape, c.file[:6]) for c in chunks) == [
+            ([0, 0], [16, 8], "r00000"), ([16, 0], [16, 8], "r00001")
+        ]  # fmt: skip
+    model, optim = load_into_fresh(unbroken.dcp.Reader(path, storage_options=options))
+    for name, value in full["model"].items():
+        assert torch.equal(model.state_dict()[name], value), name
+    loaded: dict = get_state_dict(model, optim)[1]["state"]  # type: ignore[assignment]
+    for fqn, state in full["optim"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(loaded[fqn][k], v), (fqn, k)
+    assert os.environ.get("RANK") is None  # this process never joined a process group
