@@ -3,14 +3,17 @@ unbroken's storage, format and checksums; and `unbroken convert` between the for
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -49,7 +52,7 @@ def assert_same(a: tuple[nn.Module, torch.optim.Optimizer], b: tuple) -> None:
             assert torch.equal(v, sb["state"][i][k]), (i, k)
 
 
-def load_into_fresh(reader: unbroken.dcp.Reader) -> tuple[nn.Module, torch.optim.Optimizer]:
+def load_into_fresh(reader: StorageReader) -> tuple[nn.Module, torch.optim.Optimizer]:
     model, optim = build(seed=7)  # different values everywhere, lr included
     state = dcp_state(model, optim)
     dcp.load(state, storage_reader=reader)
@@ -169,3 +172,62 @@ def test_fsdp2_save_on_two_ranks_loads_resharded_into_one_process(where, tmp_pat
         for k, v in state.items():
             assert torch.equal(loaded[fqn][k], v), (fqn, k)
     assert os.environ.get("RANK") is None  # this process never joined a process group
+
+
+def dcp_payloads(folder) -> dict:
+    """Every item of a DCP FileSystemWriter checkpoint: bytes items as stored, tensors as
+    loaded (weights only). Unpickles .metadata: only for checkpoints this test wrote."""
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    items = {}
+    for index, info in metadata.storage_data.items():
+        raw = (folder / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        is_tensor = index.offset is not None
+        items[index] = torch.load(io.BytesIO(raw), weights_only=True) if is_tensor else raw
+    return items
+
+
+@pytest.mark.timeout(60)
+def test_convert_both_ways_round_trips_bitwise(tmp_path, capsys):
+    src, ours, back = tmp_path / "dcp", str(tmp_path / "unbroken"), tmp_path / "back"
+    saved = build(seed=0)
+    dcp.save(dcp_state(*saved), storage_writer=FileSystemWriter(src))
+    assert cli(["convert", str(src), ours, "--to", "unbroken", "--trust-pickle", "--step=5"]) == 0
+    assert "warning: unpickling" in capsys.readouterr().err
+    assert cli(["verify", ours]) == 0
+    assert_same(saved, load_into_fresh(unbroken.dcp.Reader(ours)))
+
+    assert cli(["convert", ours, str(back), "--to", "dcp"]) == 0
+    before, after = dcp_payloads(src), dcp_payloads(back)
+    assert before.keys() == after.keys()
+    for index, value in before.items():
+        if isinstance(value, bytes):  # bytes items: the very bytes DCP wrote
+            assert after[index] == value, index
+        else:
+            assert value.dtype == after[index].dtype and torch.equal(value, after[index]), index
+    assert_same(saved, load_into_fresh(FileSystemReader(back)))  # DCP's own reader
+
+    # unbroken -> DCP -> unbroken: the same blocks, checksum for checksum.
+    assert cli(["convert", str(back), ours, "--to", "unbroken", "--trust-pickle", "--step=6"]) == 0
+    directory = Directory(open_storage(ours), ours)
+    blocks = [
+        {k: [(c.offsets, c.shape, c.xxh3) for c in e.chunks] for k, e in m.tensors.items()}
+        for m in (directory.manifest(5), directory.manifest(6))
+    ]
+    assert blocks[0] == blocks[1] and len(blocks[0]) == 28
+
+
+@pytest.mark.timeout(30)
+def test_convert_refuses_to_unpickle_without_the_flag(tmp_path, capsys):
+    src, ran = tmp_path / "dcp", tmp_path / "ran"
+    src.mkdir()
+
+    class Payload:  # what a hostile .metadata could hold
+        def __reduce__(self):
+            return (os.mkdir, (str(ran),))
+
+    (src / ".metadata").write_bytes(pickle.dumps(Payload()))
+    assert cli(["convert", str(src), str(tmp_path / "out"), "--to", "unbroken"]) == 2
+    err = capsys.readouterr().err
+    assert "is a Python pickle" in err and "--trust-pickle" in err
+    assert not ran.exists()
+    assert Directory(open_storage(str(tmp_path / "out")), "out").steps() == []

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
@@ -37,6 +41,20 @@ def stored_chunk(
         offsets=list(offsets), shape=list(shape), file=file, start=start, end=end,
         xxh3=checksum(data),
     )  # fmt: skip
+
+
+def block_name(fqn: str, offset: Sequence[int] | None) -> str:
+    """A block's name in its safetensors file: unique among one rank's blocks."""
+    if offset is None or not any(offset):
+        return fqn
+    return f"{fqn}@{','.join(map(str, offset))}"
+
+
+def bytes_tensor(data: bytes) -> torch.Tensor:
+    """``data`` as a 1-D uint8 tensor that owns a copy of it."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -149,3 +167,36 @@ def open_checkpoint(directory: Directory, step: int | None) -> DcpCheckpoint:
     if missing := sorted(set(keys.values()) - set(manifest.tensors)):
         raise CorruptCheckpointError(f"{where}: DCP items {missing[:5]} have no stored chunks")
     return DcpCheckpoint(directory, manifest, metadata, keys)
+
+
+@dataclass(frozen=True)
+class Where:
+    """The manifest key, entry and chunk of one DCP item."""
+
+    key: str
+    entry: TensorEntry
+    chunk: Chunk
+
+
+def locate(ckpt: DcpCheckpoint, metadata: Metadata, where: str) -> dict[MetadataIndex, Where]:
+    """Each DCP item's stored chunk; a chunk DCP's metadata names but the manifest lacks
+    (or holds with another shape) is damage."""
+    found: dict[MetadataIndex, Where] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        key = ckpt.keys.get(fqn)
+        entry = ckpt.manifest.tensors.get(key) if key is not None else None
+        if key is None or entry is None:
+            raise CorruptCheckpointError(f"{where}: DCP item {fqn!r} has no stored chunks")
+        by_offsets = {tuple(c.offsets): c for c in entry.chunks}
+        if not hasattr(md, "chunks"):  # bytes: one chunk
+            found[MetadataIndex(fqn)] = Where(key, entry, entry.chunks[0])
+            continue
+        for c in md.chunks:
+            chunk = by_offsets.get(tuple(c.offsets))
+            if chunk is None or chunk.shape != list(c.sizes):
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {fqn!r} has no stored chunk at {list(c.offsets)} of "
+                    f"shape {list(c.sizes)}"
+                )
+            found[MetadataIndex(fqn, c.offsets)] = Where(key, entry, chunk)
+    return found

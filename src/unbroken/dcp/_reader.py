@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,26 +13,17 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from unbroken.dcp._layout import DcpCheckpoint, open_checkpoint
+from unbroken.dcp._layout import DcpCheckpoint, Where, locate, open_checkpoint
 from unbroken.dcp._metadata import from_json
 from unbroken.directory import Directory
-from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import MANIFEST, Chunk, TensorEntry
+from unbroken.errors import CheckpointError
+from unbroken.format import MANIFEST
 from unbroken.shards import read_many
 from unbroken.storage import open_storage
 
 # Stored chunks are read in batches of about this many bytes, then copied out: a load
 # that reshards never holds more than this in staging copies at once.
 BATCH_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class _Where:
-    """Metadata.storage_data values: the manifest key, entry and chunk of one DCP item."""
-
-    key: str
-    entry: TensorEntry
-    chunk: Chunk
 
 
 class Reader(StorageReader):
@@ -64,7 +54,7 @@ class Reader(StorageReader):
         self.io_threads = io_threads
         self._open(path)
         self._checkpoint: DcpCheckpoint | None = None
-        self._where: dict[MetadataIndex, _Where] = {}
+        self._where: dict[MetadataIndex, Where] = {}
 
     def _open(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
@@ -81,7 +71,7 @@ class Reader(StorageReader):
         ckpt = open_checkpoint(self.directory, self.step)
         where = f"{self.path}/{ckpt.folder}/{MANIFEST}"
         metadata = from_json(ckpt.metadata, where)
-        metadata.storage_data = _locate(ckpt, metadata, where)
+        metadata.storage_data = locate(ckpt, metadata, where)
         self._checkpoint = ckpt
         return metadata
 
@@ -101,7 +91,7 @@ class Reader(StorageReader):
         parts. A chunk wanted whole by one item lands straight in its destination."""
         if self._checkpoint is None:
             raise CheckpointError("read_data() before read_metadata(): call dcp.load")
-        wanted: dict[int, tuple[_Where, list[ReadItem]]] = {}
+        wanted: dict[int, tuple[Where, list[ReadItem]]] = {}
         for item in plan.items:
             try:
                 where = self._where[item.storage_index]
@@ -117,7 +107,7 @@ class Reader(StorageReader):
         future.set_result(None)
         return future
 
-    def _read_batch(self, batch: list[tuple[_Where, list[ReadItem]]], planner: LoadPlanner) -> None:
+    def _read_batch(self, batch: list[tuple[Where, list[ReadItem]]], planner: LoadPlanner) -> None:
         assert self._checkpoint is not None
         reads, direct = [], []
         for where, items in batch:
@@ -142,35 +132,11 @@ class Reader(StorageReader):
         return isinstance(checkpoint_id, str | os.PathLike)
 
 
-def _locate(ckpt: DcpCheckpoint, metadata: Metadata, where: str) -> dict[MetadataIndex, _Where]:
-    """Each DCP item's stored chunk; a chunk DCP's metadata names but the manifest lacks
-    (or holds with another shape) is damage."""
-    found: dict[MetadataIndex, _Where] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        key = ckpt.keys.get(fqn)
-        entry = ckpt.manifest.tensors.get(key) if key is not None else None
-        if key is None or entry is None:
-            raise CorruptCheckpointError(f"{where}: DCP item {fqn!r} has no stored chunks")
-        by_offsets = {tuple(c.offsets): c for c in entry.chunks}
-        if not hasattr(md, "chunks"):  # bytes: one chunk
-            found[MetadataIndex(fqn)] = _Where(key, entry, entry.chunks[0])
-            continue
-        for c in md.chunks:
-            chunk = by_offsets.get(tuple(c.offsets))
-            if chunk is None or chunk.shape != list(c.sizes):
-                raise CorruptCheckpointError(
-                    f"{where}: tensor {fqn!r} has no stored chunk at {list(c.offsets)} of "
-                    f"shape {list(c.sizes)}"
-                )
-            found[MetadataIndex(fqn, c.offsets)] = _Where(key, entry, chunk)
-    return found
-
-
 def _batches(
-    wanted: list[tuple[_Where, list[ReadItem]]],
-) -> Iterator[list[tuple[_Where, list[ReadItem]]]]:
+    wanted: list[tuple[Where, list[ReadItem]]],
+) -> Iterator[list[tuple[Where, list[ReadItem]]]]:
     """``wanted`` in file order, cut into batches of about `BATCH_BYTES`."""
-    batch: list[tuple[_Where, list[ReadItem]]] = []
+    batch: list[tuple[Where, list[ReadItem]]] = []
     size = 0
     for pair in sorted(wanted, key=lambda p: (p[0].chunk.file, p[0].chunk.start)):
         if batch and size + pair[0].chunk.nbytes > BATCH_BYTES:
@@ -183,7 +149,7 @@ def _batches(
 
 
 def _direct_target(
-    where: _Where, items: list[ReadItem], planner: LoadPlanner
+    where: Where, items: list[ReadItem], planner: LoadPlanner
 ) -> torch.Tensor | None:
     """The destination to read ``where`` straight into: when one item wants all of it
     and the planner's tensor for it is a contiguous CPU tensor of the stored dtype."""

@@ -15,7 +15,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from unbroken.dcp._layout import Stored, commit, refuse_committed, stored_chunk
+from unbroken.dcp._layout import (
+    Stored,
+    block_name,
+    bytes_tensor,
+    commit,
+    refuse_committed,
+    stored_chunk,
+)
 from unbroken.dcp._metadata import to_json
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError
@@ -107,7 +114,7 @@ class Writer(StorageWriter):
             else:
                 assert isinstance(data, torch.Tensor)
                 tensor = data.detach().to("cpu").contiguous()
-            blocks.append((_block_name(item.index.fqn, item.index.offset), tensor))
+            blocks.append((block_name(item.index.fqn, item.index.offset), tensor))
         if not blocks:  # write_blocks would leave a header-only file no manifest names
             return _done([])
         where, sizes = write_blocks(
@@ -137,20 +144,6 @@ class Writer(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, str | os.PathLike)
-
-
-def bytes_tensor(data: bytes) -> torch.Tensor:
-    """``data`` as a 1-D uint8 tensor that owns a copy of it."""
-    if not data:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _block_name(fqn: str, offset: torch.Size | None) -> str:
-    """The block's name in its safetensors file: unique among a rank's blocks."""
-    if offset is None or not any(offset):
-        return fqn
-    return f"{fqn}@{','.join(map(str, offset))}"
 
 
 def _done(results: list[WriteResult]) -> Future[list[WriteResult]]:
