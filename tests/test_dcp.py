@@ -231,3 +231,16 @@ def test_convert_refuses_to_unpickle_without_the_flag(tmp_path, capsys):
     assert "is a Python pickle" in err and "--trust-pickle" in err
     assert not ran.exists()
     assert Directory(open_storage(str(tmp_path / "out")), "out").steps() == []
+
+
+@pytest.mark.timeout(60)
+def test_example_saves_through_dcp_and_resumes_on_rerun(tmp_path):
+    from test_examples import EXAMPLES, run
+
+    script, path = str(EXAMPLES / "dcp.py"), str(tmp_path / "ckpt")
+    first = run(script, f"--dir={path}", "--steps=4", "--save-every=2")
+    assert first.splitlines()[0] == "starting at step 0" and "step 4: loss" in first
+    again = run(script, f"--dir={path}", "--steps=6", "--save-every=2")
+    assert again.splitlines()[0] == "resumed from step 4" and "step 6: loss" in again
+    assert Directory(open_storage(path), path).steps() == [2, 4, 6]
+    assert cli(["verify", "--all", path]) == 0

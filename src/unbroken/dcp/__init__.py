@@ -13,7 +13,8 @@ planner turns into ``torch.save`` bytes, are stored and verified as opaque bytes
 default load planner unpickles them when it loads them (DCP's behaviour, not unbroken's).
 """
 
+from unbroken.dcp._layout import latest
 from unbroken.dcp._reader import Reader
 from unbroken.dcp._writer import Writer
 
-__all__ = ["Reader", "Writer"]
+__all__ = ["Reader", "Writer", "latest"]

@@ -15,6 +15,7 @@ key, so their bytes are checksummed and verified like any tensor's.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import MANIFEST, Chunk, Manifest, TensorEntry, checksum, step_dir
+from unbroken.storage import open_storage
 
 FIELD = "dcp"
 LAYOUT_VERSION = 1  # of the "dcp" field; bumped on any change an older reader could misread
@@ -137,6 +139,15 @@ def refuse_committed(directory: Directory, step: int) -> None:
     directory.clear_leftovers()
 
 
+def latest(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> int | None:
+    """The newest committed step under ``path`` (None if there is none): the step to
+    resume from, found through the ``latest`` pointer without listing where it can."""
+    text = os.fspath(path)
+    return Directory(open_storage(text, storage_options), text).latest()
+
+
 def open_checkpoint(directory: Directory, step: int | None) -> DcpCheckpoint:
     """The DCP view of ``step`` (default: the newest committed one)."""
     if step is None:
@@ -149,9 +160,8 @@ def open_checkpoint(directory: Directory, step: int | None) -> DcpCheckpoint:
     field = raw.get(FIELD)
     if field is None:
         raise CheckpointError(
-            f"{where} was not written through unbroken.dcp (it has no DCP metadata): "
-            "restore it with unbroken.Checkpointer, or turn it into a DCP checkpoint with "
-            "`unbroken convert SRC DST --to dcp`"
+            f"{where} was not written through unbroken.dcp (it has no DCP metadata); "
+            "restore it with unbroken.Checkpointer, which wrote it"
         )
     if not isinstance(field, dict) or not isinstance(field.get("version"), int):
         raise CorruptCheckpointError(f"{where}: its {FIELD!r} field is malformed")
