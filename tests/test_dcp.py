@@ -123,39 +123,66 @@ def test_reader_explains_a_checkpoint_not_written_through_dcp(tmp_path):
         load_into_fresh(unbroken.dcp.Reader(path))
 
 
-def _fsdp_save(rank: int, world: int, path: str, options: dict | None, full_out: str) -> None:
-    """Train an FSDP2 model one step on ``world`` ranks, save it through the Writer, and
-    (rank 0) torch.save the whole model and optimizer state to ``full_out``."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+def _fsdp(rank: int, world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """`build`'s model, FSDP2-sharded over ``world`` ranks, after one step of Adam."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
     mesh = init_device_mesh("cpu", (world,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
-    torch.manual_seed(rank)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3 * (seed + 1))
+    torch.manual_seed(seed * 10 + rank)
     model(torch.randn(5, 8)).pow(2).mean().backward()
     optim.step()
+    return model, optim
+
+
+def _fsdp_job(rank: int, world: int, path: str, options: dict | None, out: str) -> None:
+    """On ``world`` ranks: save an FSDP2 model and its optimizer as step 1; then load step
+    0 (saved whole by one process) into a fresh FSDP2 model, each rank reading only part
+    of each stored block. Rank 0 torch.saves both, whole, into ``out``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    whole = StateDictOptions(full_state_dict=True)
+    model, optim = _fsdp(rank, world, seed=0)
     writer = unbroken.dcp.Writer(path, step=1, storage_options=options)
     dcp.save(dcp_state(model, optim), storage_writer=writer)
-    full = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    saved = get_state_dict(model, optim, options=whole)
+
+    model, optim = _fsdp(rank, world, seed=5)
+    state = dcp_state(model, optim)
+    dcp.load(state, storage_reader=unbroken.dcp.Reader(path, step=0, storage_options=options))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = get_state_dict(model, optim, options=whole)
     if rank == 0:  # tensors in a result would need the rank alive to be read
-        torch.save({"model": full[0], "optim": full[1]}, full_out)
+        torch.save({"saved": saved, "loaded": loaded}, out)
+
+
+def assert_same_state(model_sd: dict, optim_sd: dict, model: nn.Module, optim) -> None:
+    for name, value in model_sd.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    theirs: dict = get_state_dict(model, optim)[1]
+    assert optim_sd["param_groups"][0]["lr"] == theirs["param_groups"][0]["lr"]
+    for fqn, state in optim_sd["state"].items():
+        for k, v in state.items():
+            assert torch.equal(theirs["state"][fqn][k], v), (fqn, k)
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("where", ["local", "s3"])
-def test_fsdp2_save_on_two_ranks_loads_resharded_into_one_process(where, tmp_path, request):
-    if where == "s3":
-        path, options = request.getfixturevalue("bucket")
-    else:
-        path, options = str(tmp_path / "ckpt"), None
-    run_ranks(_fsdp_save, path, options, str(tmp_path / "full.pt"), world=2, timeout=60)
-    full = torch.load(tmp_path / "full.pt", weights_only=True)
+def test_fsdp2_on_two_ranks_reshards_both_ways_through_s3(bucket, tmp_path):
+    path, options = bucket
+    single = build(seed=3)
+    dcp.save(
+        dcp_state(*single),
+        storage_writer=unbroken.dcp.Writer(path, step=0, storage_options=options),
+    )
+    run_ranks(_fsdp_job, path, options, str(tmp_path / "out.pt"), world=2, timeout=60)
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+
     manifest = Directory(open_storage(path, options), path).manifest(1)
     assert manifest.world_size == 2
     # Each rank stored its own 16-row shard of the 32x8 weight and of its Adam moments.
@@ -164,14 +191,14 @@ def test_fsdp2_save_on_two_ranks_loads_resharded_into_one_process(where, tmp_pat
         assert sorted((c.offsets, c.shape, c.file[:6]) for c in chunks) == [
             ([0, 0], [16, 8], "r00000"), ([16, 0], [16, 8], "r00001")
         ]  # fmt: skip
-    model, optim = load_into_fresh(unbroken.dcp.Reader(path, storage_options=options))
-    for name, value in full["model"].items():
-        assert torch.equal(model.state_dict()[name], value), name
-    loaded: dict = get_state_dict(model, optim)[1]["state"]  # type: ignore[assignment]
-    for fqn, state in full["optim"]["state"].items():
-        for k, v in state.items():
-            assert torch.equal(loaded[fqn][k], v), (fqn, k)
-    assert os.environ.get("RANK") is None  # this process never joined a process group
+    # 2 -> 1: the shards of step 1 joined in this process (no process group here).
+    model_sd, optim_sd = out["saved"]
+    assert_same_state(
+        model_sd, optim_sd, *load_into_fresh(unbroken.dcp.Reader(path, storage_options=options))
+    )
+    # 1 -> 2: step 0's whole tensors, each rank reading its rows of every stored block.
+    model_sd, optim_sd = out["loaded"]
+    assert_same_state(model_sd, optim_sd, *single)
 
 
 def dcp_payloads(folder) -> dict:
