@@ -271,3 +271,21 @@ def test_example_saves_through_dcp_and_resumes_on_rerun(tmp_path):
     assert again.splitlines()[0] == "resumed from step 4" and "step 6: loss" in again
     assert Directory(open_storage(path), path).steps() == [2, 4, 6]
     assert cli(["verify", "--all", path]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_convert_a_checkpointer_step_to_dcp_loads_with_dcps_own_reader(tmp_path):
+    path, out = str(tmp_path / "ckpt"), tmp_path / "dcp"
+    model, optim = build(seed=0)
+    with unbroken.Checkpointer(path) as ckpt:
+        ckpt.save(7, {"model": model, "optim": optim, "progress": unbroken.Progress(epoch=2)})
+    assert cli(["convert", path, str(out), "--to", "dcp"]) == 0
+    fresh, fresh_optim = build(seed=4)
+    state = {"model": fresh.state_dict(), "optim": fresh_optim.state_dict(), "progress": {}}
+    state["progress"]["epoch"] = 0
+    dcp.load(state, storage_reader=FileSystemReader(out))
+    fresh.load_state_dict(state["model"])
+    fresh_optim.load_state_dict(state["optim"])
+    assert_same((model, optim), (fresh, fresh_optim))
+    assert state["progress"] == {"epoch": 2}
+    assert cli(["convert", path, str(out), "--to", "dcp"]) == 2  # exists: --force to replace

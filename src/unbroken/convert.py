@@ -9,7 +9,8 @@ The result is the layout `unbroken.dcp.Writer` writes: JSON metadata, checksumme
 unbroken -> DCP reads a step that `unbroken.dcp.Writer` (or this converter) committed,
 verifying every block, and writes DCP's own layout: ``__R_N.distcp`` files holding
 ``torch.save``d tensors and the bytes items as stored, then ``.metadata`` (pickled, as
-DCP's reader expects) atomically, last.
+DCP's reader expects) atomically, last. A step `unbroken.Checkpointer` wrote has no DCP
+metadata; its state is rebuilt and saved with DCP's own writer (`native_to_dcp`).
 """
 
 from __future__ import annotations
@@ -28,21 +29,24 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from unbroken.dcp._layout import (
+    FIELD,
     Stored,
     Where,
     block_name,
     bytes_tensor,
     commit,
+    dcp_view,
     locate,
-    open_checkpoint,
+    read_manifest,
     refuse_committed,
     stored_chunk,
 )
 from unbroken.dcp._metadata import from_json, to_json
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import MANIFEST, dtype_name, step_dir
-from unbroken.shards import byte_view, read_chunk, write_blocks
+from unbroken.format import MANIFEST, Manifest, dtype_name, step_dir
+from unbroken.shards import byte_view, fill, read_chunk, write_blocks
+from unbroken.state import decode, tensor_keys
 from unbroken.storage import Storage, open_storage
 
 DCP_METADATA = ".metadata"
@@ -140,15 +144,23 @@ def unbroken_to_dcp(
     src: str, dst: str, *, step: int | None = None, force: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> int:  # fmt: skip
-    """Convert step ``step`` (default: the newest) of ``src``, written through
-    `unbroken.dcp`, into a DCP checkpoint in FileSystemWriter layout in the local folder
-    ``dst``; returns the number of items converted. Every block is verified on the way."""
+    """Convert step ``step`` (default: the newest) of ``src`` into a DCP checkpoint in
+    FileSystemWriter layout in the local folder ``dst``; returns the number of items
+    converted. Every block is verified on the way.
+
+    A step written through `unbroken.dcp` is converted item for item. One that
+    `unbroken.Checkpointer` wrote is joined into whole tensors in memory, with its
+    non-tensor state, and saved with DCP's own writer: `native_to_dcp`."""
     if "://" in dst:
         raise CheckpointError(f"{dst}: DCP's FileSystemWriter layout is written to a local path")
     target = os.path.join(dst, DCP_METADATA)
     if os.path.exists(target) and not force:
         raise CheckpointError(f"{dst} already holds a DCP checkpoint; pass --force to replace it")
-    ckpt = open_checkpoint(Directory(open_storage(src, storage_options), src), step)
+    directory = Directory(open_storage(src, storage_options), src)
+    manifest, raw = read_manifest(directory, step)
+    if FIELD not in raw:
+        return native_to_dcp(directory, manifest, dst)
+    ckpt = dcp_view(directory, manifest, raw)
     where = f"{src}/{ckpt.folder}/{MANIFEST}"
     metadata = from_json(ckpt.metadata, where)
     located = locate(ckpt, metadata, where)
@@ -164,6 +176,41 @@ def unbroken_to_dcp(
     metadata.storage_data = storage_data
     _publish(target, pickle.dumps(metadata))
     return len(storage_data)
+
+
+def native_to_dcp(directory: Directory, manifest: Manifest, dst: str) -> int:
+    """Save a `Checkpointer` step with DCP's FileSystemWriter: the state as rank 0 saved
+    it (tensors whole, non-tensor values as DCP's bytes items), so DCP's planner loads it
+    into the same nested state dicts, on any number of ranks. Holds it all in memory.
+    Values that differ between ranks cannot be kept (DCP keeps one per key): rank 0's
+    are, with a warning naming what was left out."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    folder, tree = step_dir(manifest.step), manifest.objects_for(0)
+    used = set(tensor_keys(tree))
+    tensors = {}
+    for key in used:
+        entry = manifest.tensors[key]
+        chunks = [c for c in entry.chunks if c.ranks is None or 0 in c.ranks]
+        whole = torch.empty(entry.shape, dtype=entry.torch_dtype)
+        fill(directory.storage, folder, key, entry, chunks, whole, [0] * len(entry.shape))
+        tensors[key] = whole
+    per_rank = sorted(
+        {k for k, e in manifest.tensors.items() if any(c.ranks for c in e.chunks)}
+        | (set(manifest.tensors) - used)  # tensors only other ranks' state refers to
+    )
+    if per_rank or len(manifest.objects) > 1:
+        warnings.warn(
+            f"{directory.path} step {manifest.step} holds values that differ between ranks "
+            f"(tensors {per_rank[:5]}, {len(manifest.objects)} versions of the non-tensor "
+            "state); a DCP checkpoint holds one value per key, so rank 0's are converted",
+            stacklevel=2,
+        )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(decode(tree, tensors), storage_writer=FileSystemWriter(dst), no_dist=True)
+    return len(tensors)
 
 
 def _dcp_file(shard: str) -> str:

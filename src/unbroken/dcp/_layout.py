@@ -148,20 +148,43 @@ def latest(
     return Directory(open_storage(text, storage_options), text).latest()
 
 
-def open_checkpoint(directory: Directory, step: int | None) -> DcpCheckpoint:
-    """The DCP view of ``step`` (default: the newest committed one)."""
+def read_manifest(directory: Directory, step: int | None) -> tuple[Manifest, dict[str, Any]]:
+    """The manifest of ``step`` (default: the newest committed), parsed and as raw JSON
+    (which holds the ``"dcp"`` field when there is one); one read."""
     if step is None:
         step = directory.latest()
         if step is None:
             raise CheckpointError(f"{directory.path} holds no committed checkpoint")
-    manifest = directory.manifest(step)
-    where = f"{directory.path}/{step_dir(step)}/{MANIFEST}"
-    raw = json.loads(directory.storage.read(f"{step_dir(step)}/{MANIFEST}"))
+    name = f"{step_dir(step)}/{MANIFEST}"
+    where = f"{directory.path}/{name}"
+    try:
+        data = directory.storage.read(name)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{directory.path} has no committed checkpoint for step {step}; committed "
+            f"steps: {directory.steps()}"
+        ) from None
+    manifest = Manifest.from_json(data, where)
+    if manifest.step != step:
+        raise CheckpointError(f"{where} says it is step {manifest.step}, not {step}")
+    return manifest, json.loads(data)
+
+
+def open_checkpoint(directory: Directory, step: int | None) -> DcpCheckpoint:
+    """The DCP view of ``step`` (default: the newest committed one)."""
+    manifest, raw = read_manifest(directory, step)
+    return dcp_view(directory, manifest, raw)
+
+
+def dcp_view(directory: Directory, manifest: Manifest, raw: dict[str, Any]) -> DcpCheckpoint:
+    """The DCP view of a manifest read by `read_manifest`."""
+    where = f"{directory.path}/{step_dir(manifest.step)}/{MANIFEST}"
     field = raw.get(FIELD)
     if field is None:
         raise CheckpointError(
-            f"{where} was not written through unbroken.dcp (it has no DCP metadata); "
-            "restore it with unbroken.Checkpointer, which wrote it"
+            f"{where} was not written through unbroken.dcp (it has no DCP metadata): "
+            "restore it with unbroken.Checkpointer, which wrote it, or make a DCP "
+            "checkpoint of it with `unbroken convert SRC DST --to dcp`"
         )
     if not isinstance(field, dict) or not isinstance(field.get("version"), int):
         raise CorruptCheckpointError(f"{where}: its {FIELD!r} field is malformed")
