@@ -94,7 +94,9 @@ def test_a_committed_step_is_never_replaced(tmp_path):
         dcp.save(state, storage_writer=unbroken.dcp.Writer(path, step=1))
     assert isinstance(failure.value.failures[0][0], CheckpointError)
     dcp.save(state, storage_writer=unbroken.dcp.Writer(path, step=2))
-    assert Directory(open_storage(path), path).steps() == [1, 2]
+    dcp.save(state, storage_writer=unbroken.dcp.Writer(path, step=0))  # an older step
+    assert Directory(open_storage(path), path).steps() == [0, 1, 2]
+    assert unbroken.dcp.latest(path) == 2  # `latest` never moves back
 
 
 @pytest.mark.timeout(30)

@@ -15,6 +15,7 @@ key, so their bytes are checksummed and verified like any tensor's.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import MANIFEST, Chunk, Manifest, TensorEntry, checksum, step_dir
 from unbroken.storage import open_storage
+
+log = logging.getLogger("unbroken")
 
 FIELD = "dcp"
 LAYOUT_VERSION = 1  # of the "dcp" field; bumped on any change an older reader could misread
@@ -99,7 +102,8 @@ def commit(
     metadata: dict[str, Any], paths: dict[str, list[str | int]] | None,
 ) -> None:  # fmt: skip
     """Write the manifest of ``step`` atomically (the step exists from now on) and move
-    ``latest``. Refuses to replace a step another writer committed meanwhile."""
+    ``latest`` to it unless a newer step is committed. Refuses to replace a step another
+    writer committed meanwhile."""
     keys = manifest_keys(sorted({s.fqn for s in stored}), paths)
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
@@ -125,7 +129,12 @@ def commit(
         raise CheckpointError(
             f"{directory.path}: step {step} was committed by another writer meanwhile"
         ) from None
-    directory.move_latest(step)
+    try:  # never back: a converted old step must not hide newer ones from restore
+        newest = directory.latest()
+        if newest is None or newest <= step:
+            directory.move_latest(step)
+    except Exception as e:  # the step is committed; readers find it by listing
+        log.warning("step %d is committed but the latest pointer did not move: %s", step, e)
 
 
 def refuse_committed(directory: Directory, step: int) -> None:
