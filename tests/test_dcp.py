@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -83,6 +84,9 @@ def test_save_load_round_trip_and_unbroken_reads_it(where, tmp_path, request):
     assert raw["dcp"]["metadata"]["state_dict"]["optim.param_groups.0.lr"] == {"type": "bytes"}
     if where == "local":
         assert cli(["verify", path]) == 0
+        assert cli(["export", path, str(tmp_path / "weights.safetensors")]) == 0
+        weights = load_file(tmp_path / "weights.safetensors")
+        assert weights.keys() == saved[0].state_dict().keys()
 
 
 @pytest.mark.timeout(30)
