@@ -1,4 +1,4 @@
-"""The `unbroken` command: ls, show, verify, export, demo, run.
+"""The `unbroken` command: ls, show, verify, export, convert, demo, run.
 
 Exit codes (also in ``unbroken --help`` and the README): 0 ok, 1 damage found, 2 usage or
 input error. ``--json`` output (ls, show, verify) is built by `unbroken.cli_json`.
@@ -105,6 +105,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     exp.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     _quiet_flag(exp)
+    conv = _command(sub, "convert", _convert, "a DCP checkpoint to unbroken's format, or back")
+    conv.add_argument("dst", help="where to write: an unbroken directory, or a local folder")
+    conv.add_argument("--to", choices=["unbroken", "dcp"], required=True)
+    conv.add_argument("--step", type=int, help="step to write (unbroken, default 0) or read (dcp)")
+    conv.add_argument(
+        "--trust-pickle", action="store_true", help="--to unbroken: unpickle DCP's .metadata "
+        "(it can run any code it holds; only for checkpoints you trust)"
+    )  # fmt: skip
+    conv.add_argument("--force", action="store_true", help="--to dcp: replace DST's checkpoint")
     sub.add_parser("demo", help="train, kill and resume a small GPT under torchrun (30-40 s)")
     sub.add_parser("run", help="torchrun with restarts, hang detection and fault injection")
     return parser
@@ -254,6 +263,12 @@ def _export(opts: argparse.Namespace) -> int:
     size = sum(t.nbytes for t in tensors.values())
     console.print(f"wrote {len(tensors)} tensors, {_size(size)}, to {opts.out}", highlight=False)
     return OK
+
+
+def _convert(opts: argparse.Namespace) -> int:
+    from unbroken.convert import command
+
+    return command(opts)
 
 
 def _stored_bytes(m: Manifest) -> int:
