@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -27,7 +27,14 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import MANIFEST, Chunk, Manifest, TensorEntry, checksum, step_dir
+from unbroken.format import (
+    MANIFEST,
+    Chunk,
+    Manifest,
+    TensorEntry,
+    block_checksums,
+    step_dir,
+)
 from unbroken.storage import open_storage
 
 log = logging.getLogger("unbroken")
@@ -40,11 +47,10 @@ def stored_chunk(
     offsets: list[int], shape: list[int], file: str, start: int, end: int, data: memoryview
 ) -> Chunk:
     """The manifest entry for one block written to ``file`` at ``[start, end)`` whose bytes
-    are ``data``. Every chunk the DCP writer and the converter store is built here, so a
-    change of checksum grain (format VERSION 2) is a change of this one function."""
+    are ``data``: every chunk the DCP writer and the converter store is built here."""
     return Chunk(
         offsets=list(offsets), shape=list(shape), file=file, start=start, end=end,
-        xxh3=checksum(data),
+        **asdict(block_checksums(data)),
     )  # fmt: skip
 
 
