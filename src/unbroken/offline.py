@@ -12,7 +12,7 @@ import torch
 
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import Manifest, step_dir
+from unbroken.format import Chunk, Manifest, TensorEntry, step_dir
 from unbroken.shards import fill, read_chunk
 
 # Wrappers whose prefixes an inference model does not have: DDP, torch.compile.
@@ -76,8 +76,7 @@ def consolidate(
             f"step {manifest.step} has no tensors under {missing}; entries with tensors: "
             f"{names}. Pass --only NAME"
         )
-    folder = step_dir(manifest.step)
-    for key, entry in manifest.tensors.items():
+    for key in manifest.tensors:
         prefix = next((p for p in prefixes if key.startswith(p)), None)
         if prefix is None:
             continue
@@ -86,13 +85,25 @@ def consolidate(
             name = name.removeprefix(wrapper)
         if len(prefixes) > 1:
             name = f"{prefix}{name}"
-        chunks = [c for c in entry.chunks if c.ranks is None or 0 in c.ranks]
-        whole = torch.empty(entry.shape, dtype=entry.torch_dtype)
-        fill(directory.storage, folder, key, entry, chunks, whole, [0] * len(entry.shape))
-        progress(sum(c.nbytes for c in chunks))
+        whole = read_whole(directory, manifest, key)
+        progress(sum(c.nbytes for c in _rank0_chunks(manifest.tensors[key])))
         if dtype is not None and whole.is_floating_point():
             whole = whole.to(dtype)
         yield name, whole
+
+
+def read_whole(directory: Directory, manifest: Manifest, key: str) -> torch.Tensor:
+    """Tensor ``key`` of ``manifest``'s step, whole, on the CPU, every byte checked against
+    its checksum. Where ranks saved different values under one key, rank 0's."""
+    entry = manifest.tensors[key]
+    whole = torch.empty(entry.shape, dtype=entry.torch_dtype)
+    folder = step_dir(manifest.step)
+    fill(directory.storage, folder, key, entry, _rank0_chunks(entry), whole, [0] * len(entry.shape))
+    return whole
+
+
+def _rank0_chunks(entry: TensorEntry) -> list[Chunk]:
+    return [c for c in entry.chunks if c.ranks is None or 0 in c.ranks]
 
 
 def selected_bytes(manifest: Manifest, only: list[str]) -> int:
