@@ -5,7 +5,7 @@ These read checkpoints written by any number of ranks; they never need the job i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,11 +63,22 @@ def consolidate(
     only: list[str],
     dtype: torch.dtype | None,
     progress: Callable[[int], None] = lambda n: None,
+    strip: Sequence[str] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Whole tensors of the state entries ``only``, named as an unwrapped module names them
-    (``model/module.fc.weight`` becomes ``fc.weight``), floating ones cast to ``dtype``.
-    Where ranks saved different values under one key, rank 0's is taken. ``progress`` gets
-    the number of stored bytes read after each tensor (`selected_bytes` is their total)."""
+    """Whole tensors of the state entries ``only``, named by `export_names`, floating
+    ones cast to ``dtype``. ``progress`` gets the number of stored bytes read after each
+    tensor (`selected_bytes` is their total)."""
+    for key, name in export_names(manifest, only, strip).items():
+        whole = read_whole(directory, manifest, key)
+        progress(sum(c.nbytes for c in _rank0_chunks(manifest.tensors[key])))
+        yield name, cast(whole, dtype)
+
+
+def export_names(manifest: Manifest, only: list[str], strip: Sequence[str] = ()) -> dict[str, str]:
+    """The tensors of the state entries ``only``, each mapped to its name as an unwrapped
+    module names it (``model/module.fc.weight`` becomes ``fc.weight``; with several
+    entries, ``model/fc.weight``), less the first of the prefixes ``strip`` it starts with
+    (``model.`` for a Lightning module holding the model as ``self.model``)."""
     prefixes = [f"{name}/" for name in only]
     found = {p for key in manifest.tensors for p in prefixes if key.startswith(p)}
     if missing := [p[:-1] for p in prefixes if p not in found]:
@@ -76,6 +87,8 @@ def consolidate(
             f"step {manifest.step} has no tensors under {missing}; entries with tensors: "
             f"{names}. Pass --only NAME"
         )
+    out: dict[str, str] = {}
+    seen: dict[str, str] = {}
     for key in manifest.tensors:
         prefix = next((p for p in prefixes if key.startswith(p)), None)
         if prefix is None:
@@ -85,11 +98,19 @@ def consolidate(
             name = name.removeprefix(wrapper)
         if len(prefixes) > 1:
             name = f"{prefix}{name}"
-        whole = read_whole(directory, manifest, key)
-        progress(sum(c.nbytes for c in _rank0_chunks(manifest.tensors[key])))
-        if dtype is not None and whole.is_floating_point():
-            whole = whole.to(dtype)
-        yield name, whole
+        name = next((name[len(s) :] for s in strip if name.startswith(s)), name)
+        if name in seen:
+            raise CheckpointError(
+                f"tensors {seen[name]!r} and {key!r} would both be exported as {name!r}; "
+                "export fewer entries (--only) or strip fewer prefixes"
+            )
+        out[key], seen[name] = name, key
+    return out
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` if it is floating point and a ``dtype`` is given."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
 def read_whole(directory: Directory, manifest: Manifest, key: str) -> torch.Tensor:
