@@ -69,7 +69,7 @@ def check_files(out, index) -> None:
     assert index["metadata"]["total_size"] == total
 
 
-def loads_equal(out, model) -> nn.Module:
+def loads_equal(out, model):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     expected, got = model.state_dict(), loaded.state_dict()
     assert expected.keys() == got.keys()
