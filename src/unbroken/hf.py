@@ -28,7 +28,7 @@ import torch
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError
 from unbroken.format import Manifest, nbytes_of
-from unbroken.offline import cast, export_names, read_whole
+from unbroken.offline import cast, export_names, read_all
 
 INDEX = "model.safetensors.index.json"
 METADATA = {"format": "pt"}  # what transformers 4.x checks before loading a file
@@ -63,6 +63,7 @@ def export(
     max_shard_size: int = 5 * 10**9,
     config: str | None = None,
     progress: Callable[[int], None] = lambda n: None,
+    threads: int = 4,
 ) -> Exported:
     """Write the tensors of the state entries ``only`` (named as `export_names` says)
     as a Hugging Face folder ``out`` (which must not exist). The folder appears whole or
@@ -81,8 +82,8 @@ def export(
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
-        for key in shard:
-            tensors[names[key]] = cast(read_whole(directory, manifest, key), dtype)
+        for key, tensor in read_all(directory, manifest, shard, threads).items():
+            tensors[names[key]] = cast(tensor, dtype)
             progress(sum(c.nbytes for c in manifest.tensors[key].chunks))
             weight_map[names[key]] = file
         save_file(tensors, os.path.join(partial, file), metadata=METADATA)

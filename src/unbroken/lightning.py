@@ -32,7 +32,7 @@ from unbroken.background import SaveThread, wait_for
 from unbroken.directory import Directory
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
-from unbroken.offline import read_whole
+from unbroken.offline import read_all
 from unbroken.staging import Stager
 from unbroken.state import decode
 from unbroken.storage import open_storage
@@ -133,7 +133,7 @@ class CheckpointIO(_Base):
             raise FileNotFoundError(f"checkpoint {path} not found (or not saved by unbroken)")
         directory = self._directory(path)
         manifest = directory.manifest()
-        tensors = {key: read_whole(directory, manifest, key) for key in manifest.tensors}
+        tensors = read_all(directory, manifest, list(manifest.tensors), self.io_threads)
         if map_location is not None:
             tensors = {key: _locate(t, map_location) for key, t in tensors.items()}
         tree = manifest.objects_for(0)

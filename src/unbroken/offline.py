@@ -13,7 +13,7 @@ import torch
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Chunk, Manifest, TensorEntry, step_dir
-from unbroken.shards import fill, read_chunk
+from unbroken.shards import fill, read_chunk, read_many
 
 # Wrappers whose prefixes an inference model does not have: DDP, torch.compile.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -121,6 +121,26 @@ def read_whole(directory: Directory, manifest: Manifest, key: str) -> torch.Tens
     folder = step_dir(manifest.step)
     fill(directory.storage, folder, key, entry, _rank0_chunks(entry), whole, [0] * len(entry.shape))
     return whole
+
+
+def read_all(
+    directory: Directory, manifest: Manifest, keys: Sequence[str], threads: int
+) -> dict[str, torch.Tensor]:
+    """`read_whole` for each of ``keys``, read by ``threads`` in parallel, with runs of
+    small tensors fetched in one request (object stores charge a round trip for each)."""
+    folder = step_dir(manifest.step)
+    out: dict[str, torch.Tensor] = {}
+    whole: list[tuple[str, TensorEntry, Chunk, torch.Tensor]] = []
+    for key in keys:
+        entry = manifest.tensors[key]
+        chunks = _rank0_chunks(entry)
+        if len(chunks) == 1 and chunks[0].shape == entry.shape:
+            out[key] = torch.empty(entry.shape, dtype=entry.torch_dtype)
+            whole.append((key, entry, chunks[0], out[key]))
+        else:
+            out[key] = read_whole(directory, manifest, key)
+    read_many(directory.storage, folder, whole, threads)
+    return out
 
 
 def _rank0_chunks(entry: TensorEntry) -> list[Chunk]:
