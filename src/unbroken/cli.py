@@ -273,7 +273,7 @@ def _export(opts: argparse.Namespace) -> int:
             tied = "".join(f", {a} tied to {b}" for a, b in done.tied.items())
             console.print(
                 f"wrote {done.tensors} tensors, {_size(done.nbytes)}, in {len(done.files) - 1} "
-                f"shards to {opts.out}{tied}",
+                f"shard(s) to {opts.out}{tied}",
                 highlight=False,
             )
             return OK
