@@ -117,3 +117,16 @@ def test_stripping_a_prefix_that_makes_two_names_equal_is_refused(tmp_path, caps
     assert main([*argv, "--only=ema", "--strip-prefix=model/", "--strip-prefix=ema/"]) == 2
     assert "would both be exported as 'weight'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_tie_whose_bytes_differ_is_kept_and_an_unknown_architecture_drops_nothing(tmp_path):
+    model = gpt2()  # trained untied: the config still says tied, the bytes say otherwise
+    model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach() + 1)
+    out, index = export(tmp_path, model)
+    assert {"lm_head.weight", "transformer.wte.weight"} <= index["weight_map"].keys()
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "no-such-model"}))
+    argv = ["export", str(tmp_path / "ckpt"), str(out), "--format=hf", f"--config={config}"]
+    assert main([*argv, "--force", "-q"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(index["weight_map"]) == len(model.state_dict())

@@ -149,6 +149,14 @@ def test_a_value_that_needs_pickle_is_refused_naming_its_key(tmp_path):
     assert torch.equal(loaded["state_dict"]["w"], torch.ones(2))
 
 
+def test_a_torch_save_file_is_named_as_written_by_another_checkpoint_io(tmp_path):
+    torch.save({"state_dict": {}}, tmp_path / "x.ckpt")
+    with pytest.raises(CheckpointError, match="another CheckpointIO wrote it"):
+        CheckpointIO().load_checkpoint(tmp_path / "x.ckpt")
+    with pytest.raises(FileNotFoundError):
+        CheckpointIO().load_checkpoint(tmp_path / "missing.ckpt")
+
+
 def run_example(*argv: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(EXAMPLE), *argv],

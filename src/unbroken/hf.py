@@ -16,6 +16,7 @@ are identical too. Without a config every tensor is written.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,6 +30,8 @@ from unbroken.directory import Directory
 from unbroken.errors import CheckpointError
 from unbroken.format import Manifest, nbytes_of
 from unbroken.offline import cast, export_names, read_all
+
+log = logging.getLogger("unbroken")
 
 INDEX = "model.safetensors.index.json"
 METADATA = {"format": "pt"}  # what transformers 4.x checks before loading a file
@@ -157,9 +160,13 @@ def tie_groups(config: str) -> list[list[str]]:
         fields = json.load(f)
     if "model_type" not in fields:
         raise CheckpointError(f"{config} has no model_type; is it a transformers config.json?")
-    cfg = transformers.AutoConfig.for_model(**fields)
-    with torch.device("meta"):
-        model = _model(transformers, cfg)
+    try:
+        cfg = transformers.AutoConfig.for_model(**fields)
+        with torch.device("meta"):
+            model = _model(transformers, cfg)
+    except Exception as e:  # an architecture this transformers does not know
+        log.warning("%s: cannot build the model to find tied weights (%s); keeping all", config, e)
+        return []
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)

@@ -129,8 +129,13 @@ class CheckpointIO(_Base):
         Lightning's sake: nothing is unpickled unless ``allow_pickle`` says so."""
         self._raise_failures(wait=True)
         path = os.fspath(path)
+        if "://" not in path and os.path.isfile(path):
+            raise CheckpointError(
+                f"{path} is a file, not an unbroken checkpoint (a directory): another "
+                "CheckpointIO wrote it (Lightning's default: torch.save); load it with that one"
+            )
         if "://" not in path and not os.path.isdir(path):
-            raise FileNotFoundError(f"checkpoint {path} not found (or not saved by unbroken)")
+            raise FileNotFoundError(f"checkpoint {path} not found")
         directory = self._directory(path)
         manifest = directory.manifest()
         tensors = read_all(directory, manifest, list(manifest.tensors), self.io_threads)
