@@ -18,7 +18,7 @@ from unbroken.cli import main
 transformers = pytest.importorskip("transformers")
 
 
-def gpt2() -> nn.Module:
+def gpt2():
     config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0,
         eos_token_id=0,
