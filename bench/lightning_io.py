@@ -203,6 +203,15 @@ def report(rows: list[Row], caption: str) -> None:
     show(150, table)
 
 
+def memstore(mib: int, repeats: int) -> int:
+    """RAM for the RGW's OSD: every checkpoint the run writes (about 3x the weights each:
+    2 unbroken rows x repeats, the connector's attempts and boto3's copy), capped at half
+    of what this machine has free."""
+    need = int(1.3 * (2 * repeats + 2) * 3 * mib * MIB) + (1 << 30)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(4 << 30, min(need, available // 2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=512, help="MiB of model weights")
@@ -218,7 +227,7 @@ def main() -> None:
             server = Server("moto", start_moto(stack), "test", "test", bucket)
             where = "moto server (in the bench process)"
         else:
-            rgw = start_rgw(stack, Path(workdir) / "rgw", max(4 << 30, 16 * args.mib * MIB))
+            rgw = start_rgw(stack, Path(workdir) / "rgw", memstore(args.mib, args.repeats))
             server = Server("rgw", rgw.endpoint, rgw.access_key, rgw.secret_key, bucket, REGION)
             where = f"Ceph RGW {ceph_version()} (memstore OSD, in RAM) on loopback"
         client = boto3_client(server)
