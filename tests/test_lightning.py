@@ -108,6 +108,16 @@ def test_model_checkpoint_keeps_the_top_k_and_last(uninterrupted):
     assert isinstance(loaded["optimizer_states"][0]["param_groups"][0]["params"], list)
 
 
+def test_save_last_as_a_link_points_at_the_newest_checkpoint(tmp_path):
+    best = ModelCheckpoint(dirpath=tmp_path, save_top_k=1, monitor="val_loss", save_last="link")
+    fit(CheckpointIO(), 2, callbacks=[best])
+    last = tmp_path / "last.ckpt"
+    assert last.is_symlink() and len(list(tmp_path.iterdir())) == 2
+    assert CheckpointIO().load_checkpoint(last)["epoch"] == 1
+    CheckpointIO().remove_checkpoint(last)  # the link only
+    assert not last.exists() and CheckpointIO().exists(best.best_model_path)
+
+
 @pytest.mark.timeout(120)
 def test_s3_async_save_resume_and_remove(bucket, uninterrupted):
     url, options = bucket
