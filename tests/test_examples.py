@@ -144,3 +144,15 @@ def test_readme_code_is_excerpts_of_the_examples():
         for line in block.splitlines():
             if line.strip() not in ("", "..."):
                 assert line in lines, f"README: {line!r} is not in examples/{name} (in order)"
+
+
+@pytest.mark.timeout(90)
+def test_lightning_example_resumes_from_last_ckpt_on_rerun(tmp_path):
+    script, path = str(EXAMPLES / "lightning.py"), tmp_path / "lit"
+    first = run(script, f"--dir={path}", "--epochs=2", "--async-save")
+    assert "started fresh" in first and "finished at epoch 2" in first
+    again = run(script, f"--dir={path}", "--epochs=3")
+    assert f"resumed from {path / 'last.ckpt'}" in again and "finished at epoch 3" in again
+    # ModelCheckpoint kept the two best epochs and last.ckpt, each an unbroken checkpoint.
+    assert len(os.listdir(path)) == 3
+    assert unbroken.Checkpointer(path / "last.ckpt").manifest().objects_for(0)["epoch"] == 2

@@ -97,7 +97,21 @@ def _parser() -> argparse.ArgumentParser:
     _json_flag(ver)
     _quiet_flag(ver)
     exp = _command(sub, "export", _export, "consolidated safetensors weights for inference")
-    exp.add_argument("out", help="the .safetensors file to write")
+    exp.add_argument("out", help="the .safetensors file (--format hf: the folder) to write")
+    exp.add_argument(
+        "--format",
+        choices=["safetensors", "hf"],
+        default="safetensors",
+        help="one file, or a Hugging Face folder (shards, index, config)",
+    )
+    exp.add_argument("--max-shard-size", default="5GB", help="--format hf: e.g. 5GB, 500MiB")
+    exp.add_argument("--config", help="--format hf: a transformers config.json to include")
+    exp.add_argument(
+        "--strip-prefix",
+        action="append",
+        default=[],
+        help="remove this prefix from tensor names, e.g. model. (repeatable)",
+    )
     exp.add_argument("--step", type=int, help="default: the newest")
     exp.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     exp.add_argument(
@@ -246,19 +260,35 @@ def _verify(opts: argparse.Namespace) -> int:
 def _export(opts: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
+    from unbroken import hf
+
     if os.path.exists(opts.out) and not opts.force:
         raise CheckpointError(f"{opts.out} already exists; pass --force to overwrite it")
+    if opts.format != "hf" and opts.config:
+        raise CheckpointError("--config needs --format hf")
     directory = _open(opts.path)
     m = directory.manifest(opts.step)
     dtype = getattr(torch, opts.dtype) if opts.dtype else None
     only = opts.only or ["model"]
-    tensors: dict[str, torch.Tensor] = {}
     with _bar(opts) as bar:
         task = bar.add_task(f"reading step {m.step}", total=selected_bytes(m, only))
-        for name, tensor in consolidate(directory, m, only, dtype, partial(bar.advance, task)):
-            tensors[name] = tensor
+        advance = partial(bar.advance, task)
+        if opts.format == "hf":
+            done = hf.export(
+                directory, m, opts.out, only=only, dtype=dtype, strip=opts.strip_prefix,
+                max_shard_size=hf.parse_size(opts.max_shard_size), config=opts.config,
+                progress=advance,
+            )  # fmt: skip
+            tied = "".join(f", {a} tied to {b}" for a, b in done.tied.items())
+            console.print(
+                f"wrote {done.tensors} tensors, {_size(done.nbytes)}, in {len(done.files) - 1} "
+                f"shard(s) to {opts.out}{tied}",
+                highlight=False,
+            )
+            return OK
+        tensors = dict(consolidate(directory, m, only, dtype, advance, opts.strip_prefix))
     partial_out = f"{opts.out}.partial"  # a reader never sees half a file under OUT
-    save_file(tensors, partial_out, metadata={"unbroken_step": str(m.step)})
+    save_file(tensors, partial_out, metadata={**hf.METADATA, "unbroken_step": str(m.step)})
     os.replace(partial_out, opts.out)
     size = sum(t.nbytes for t in tensors.values())
     console.print(f"wrote {len(tensors)} tensors, {_size(size)}, to {opts.out}", highlight=False)
