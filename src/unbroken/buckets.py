@@ -21,21 +21,80 @@ has no rebuild to match for; the second never rebuilds).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 log = logging.getLogger("unbroken")
 
 Layout = list[list[int]]  # reducer parameter indices, bucket by bucket
 
 
-def wrappers(state: Mapping[str, Any]) -> dict[str, DistributedDataParallel]:
-    """The DDP wrappers among the top-level entries of ``state``, by name."""
-    return {k: v for k, v in state.items() if isinstance(v, DistributedDataParallel)}
+class Tracker:
+    """Finds the DDP wrappers of a state's modules, including wrappers built after
+    `restore` (the usual order: restore, then wrap), and gives each the layout it is
+    owed before its first iteration.
+
+    Until `stop` (the first `step`, `snapshot` or `save`: one iteration has run by
+    then) a global forward pre-hook watches every module call for a DDP wrapper's."""
+
+    def __init__(self) -> None:
+        self._seen: list[weakref.ref[DistributedDataParallel]] = []
+        self._owed: dict[int, Layout] = {}  # id of a wrapped module -> layout
+        self._handle: RemovableHandle | None = nn.modules.module.register_module_forward_pre_hook(
+            self._hook
+        )
+
+    def _hook(self, module: nn.Module, args: Any) -> None:
+        if not isinstance(module, DistributedDataParallel):
+            return
+        if all(ref() is not module for ref in self._seen):
+            self._seen.append(weakref.ref(module))
+        owed = self._owed.pop(id(module.module), None)
+        if owed is not None:
+            apply(module, owed)
+
+    def owe(self, state: Mapping[str, Any], layouts: Mapping[str, Layout]) -> None:
+        """Apply ``layouts`` (by state entry) to the wrappers in ``state`` now, and to
+        wrappers of its modules built later, at their first forward."""
+        for name, wanted in layouts.items():
+            value = state.get(name)
+            if isinstance(value, DistributedDataParallel):
+                apply(value, wanted)
+            elif isinstance(value, nn.Module) and self._handle is not None:
+                self._owed[id(value)] = wanted
+
+    def wrappers(self, state: Mapping[str, Any]) -> dict[str, DistributedDataParallel]:
+        """The DDP wrappers of ``state``'s entries (or entries that are one), by name."""
+        seen = [w for w in (ref() for ref in self._seen) if w is not None]
+        found = {}
+        for name, value in state.items():
+            if isinstance(value, DistributedDataParallel):
+                found[name] = value
+            else:
+                found.update((name, w) for w in seen if w.module is value)
+        return found
+
+    def layouts(self, state: Mapping[str, Any]) -> dict[str, Layout]:
+        found = {n: layout(w) for n, w in self.wrappers(state).items()}
+        return {n: lay for n, lay in found.items() if lay is not None}
+
+    def settle(self) -> None:
+        """Stop watching unless a layout is still owed to a wrapper not yet run."""
+        if not self._owed:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+            self._owed.clear()
 
 
 def _eligible(ddp: DistributedDataParallel) -> bool:
@@ -71,8 +130,14 @@ def apply(ddp: DistributedDataParallel, wanted: Layout) -> bool:
     if not _eligible(ddp) or ddp._get_ddp_logging_data().get("num_iterations", 0):
         return False
     params, expect_sparse = ddp._build_params_for_reducer()
-    flat = sorted(i for bucket in wanted for i in bucket)
-    if flat != list(range(len(params))) or layout_now(ddp) == wanted:
+    if not (
+        isinstance(wanted, list)
+        and all(isinstance(b, list) and all(type(i) is int for i in b) for b in wanted)
+        and sorted(i for b in wanted for i in b) == list(range(len(params)))
+    ):
+        log.warning("ignoring a recorded DDP bucket layout that does not fit the model")
+        return False
+    if layout_now(ddp) == wanted:
         return False
     ddp.reducer._remove_autograd_hooks()
     with _assignment(wanted):
@@ -87,7 +152,8 @@ def layout_now(ddp: DistributedDataParallel) -> Layout:
     """The wrapper's current bucket layout, rebuilt or not."""
     params, _ = ddp._build_params_for_reducer()
     index = {id(p): i for i, p in enumerate(params)}
-    return [[index[id(p)] for p in b.parameters()] for b in ddp.reducer._get_zeros_like_grad_buckets()]
+    buckets = ddp.reducer._get_zeros_like_grad_buckets()
+    return [[index[id(p)] for p in b.parameters()] for b in buckets]
 
 
 @contextmanager
@@ -100,8 +166,8 @@ def _assignment(wanted: Layout) -> Iterator[None]:
         cap = max(sizes) if sizes else 0
         return list(reversed(wanted)), [cap] * len(wanted)
 
-    dist._compute_bucket_assignment_by_size = assign  # type: ignore[attr-defined]
+    dist._compute_bucket_assignment_by_size = assign  # type: ignore[assignment]
     try:
         yield
     finally:
-        dist._compute_bucket_assignment_by_size = original  # type: ignore[attr-defined]
+        dist._compute_bucket_assignment_by_size = original

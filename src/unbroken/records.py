@@ -1,0 +1,186 @@
+"""Per-step records: the part of a rank's state that its data-parallel replicas do not
+share, kept in process memory on the rank itself and on its record partners.
+
+`Checkpointer.step` makes one each step. Modules and optimizers are replicated across
+data-parallel ranks, so a record leaves them out, keeping only a *fingerprint* of them
+(a few sampled elements of every tensor: enough to notice that the state moved past the
+recorded step). Everything else in the state (`Progress`, `RNGState`, schedulers, plain
+values, tensors outside modules and optimizers) is in the record whole: it is small,
+and it is what a replacement cannot get from a healthy replica.
+
+Records live in this module's registry, in process memory, so that they survive the
+in-process generations of ``unbroken run --in-process`` (each generation builds a new
+Checkpointer). Each rank keeps its own two newest and the two newest of each rank it is
+a partner of. Encoded records are JSON plus raw tensor bytes with an xxh3 checksum:
+nothing received runs code.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from unbroken.dist import Comm
+from unbroken.errors import CheckpointError
+from unbroken.format import checksum, dtype_name, torch_dtype
+from unbroken.shards import byte_view
+from unbroken.state import capture
+
+KEEP = 2  # records kept per rank: the newest may be half-sent when a peer dies
+SAMPLES = 16  # elements sampled per tensor for a fingerprint
+
+
+def replicated(value: object) -> bool:
+    """Whether a state entry is one data-parallel replicas share (modules, optimizers)."""
+    return isinstance(value, nn.Module | Optimizer)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One rank's per-rank state at one step, encoded (``data``) and described
+    (``header``: step, rank, JSON tree, tensor table, fingerprint, layouts...)."""
+
+    header: dict[str, Any]
+    data: bytes
+
+    @property
+    def step(self) -> int:
+        return int(self.header["step"])
+
+    @property
+    def rank(self) -> int:
+        return int(self.header["rank"])
+
+    @classmethod
+    def make(cls, step: int, rank: int, state: Mapping[str, Any], **extra: Any) -> Record:
+        tensors, tree = capture({k: v for k, v in state.items() if not replicated(v)})
+        table, parts = [], []
+        for key, t in tensors.items():
+            cpu = t.detach().to("cpu").contiguous()
+            table.append([key, dtype_name(cpu.dtype), list(cpu.shape)])
+            parts.append(bytes(byte_view(cpu)))
+        payload = b"".join(parts)
+        header = {
+            "step": step, "rank": rank, "tree": tree, "tensors": table,
+            "fingerprint": fingerprint(state), "xxh3": checksum(memoryview(payload)), **extra,
+        }  # fmt: skip
+        text = json.dumps(header).encode()
+        return cls(header, struct.pack("<Q", len(text)) + text + payload)
+
+    @classmethod
+    def decode(cls, data: bytes, where: str) -> Record:
+        """A received record, checked whole: `CheckpointError` naming ``where`` if not."""
+        try:
+            (size,) = struct.unpack_from("<Q", data)
+            header = json.loads(data[8 : 8 + size])
+            payload = memoryview(data)[8 + size :]
+            ok = isinstance(header, dict) and checksum(payload) == header["xxh3"]
+        except (struct.error, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"the step record from {where} is not readable: {e}") from e
+        if not ok:
+            raise CheckpointError(f"the step record from {where} fails its checksum")
+        return cls(header, data)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The record's per-rank tensors, new CPU tensors."""
+        (size,) = struct.unpack_from("<Q", self.data)
+        offset, found = 8 + size, {}
+        for key, dtype, shape in self.header["tensors"]:
+            t = torch.empty(shape, dtype=torch_dtype(dtype, f"step record: {key}"))
+            n = t.numel() * t.element_size()
+            byte_view(t)[:] = self.data[offset : offset + n]
+            found[key], offset = t, offset + n
+        return found
+
+
+def fingerprint(state: Mapping[str, Any]) -> str:
+    """A cheap digest of the replicated entries: names, shapes, dtypes and a few evenly
+    spaced elements of every tensor (an optimizer step changes nearly all of them)."""
+    tensors, _ = capture({k: v for k, v in state.items() if replicated(v)})
+    parts = []
+    for key, t in sorted(tensors.items()):
+        flat = t.detach().reshape(-1)
+        stride = max(1, flat.numel() // SAMPLES)
+        sample = flat[::stride][:SAMPLES].to("cpu").contiguous()
+        parts.append(f"{key}:{dtype_name(t.dtype)}:{list(t.shape)}:".encode())
+        parts.append(bytes(byte_view(sample)))
+    return checksum(memoryview(b"".join(parts)))
+
+
+# -- the registry ----------------------------------------------------------------------
+
+_lock = threading.Lock()
+_own: dict[str, dict[int, Record]] = {}  # job -> step -> this process's records
+_held: dict[str, dict[int, dict[int, bytes]]] = {}  # job -> owner rank -> step -> record
+
+
+def keep_own(job: str, record: Record) -> None:
+    with _lock:
+        mine = _own.setdefault(job, {})
+        mine[record.step] = record
+        for old in sorted(mine)[:-KEEP]:
+            del mine[old]
+
+
+def own(job: str, rank: int) -> Record | None:
+    """This process's newest record as ``rank`` (a record under another rank number,
+    from before a reassignment, does not count)."""
+    with _lock:
+        mine = [r for r in _own.get(job, {}).values() if r.rank == rank]
+    return max(mine, key=lambda r: r.step, default=None)
+
+
+def keep_held(job: str, owner: int, step: int, data: bytes) -> None:
+    with _lock:
+        steps = _held.setdefault(job, {}).setdefault(owner, {})
+        steps[step] = data
+        for old in sorted(steps)[:-KEEP]:
+            del steps[old]
+
+
+def held(job: str) -> dict[int, dict[int, bytes]]:
+    """``{owner rank: {step: encoded record}}`` kept for peers."""
+    with _lock:
+        return {o: dict(s) for o, s in _held.get(job, {}).items()}
+
+
+def forget(job: str) -> None:
+    """Drop every record of ``job`` (the job finished)."""
+    with _lock:
+        _own.pop(job, None)
+        _held.pop(job, None)
+
+
+# -- point-to-point --------------------------------------------------------------------
+
+
+def exchange(comm: Comm, send: dict[int, bytes], receive: list[int]) -> dict[int, bytes]:
+    """Send ``send[peer]`` to each peer and receive one message from each rank in
+    ``receive``: sizes first, then the bytes, each in one batch (no pair ordering to
+    deadlock on). Every rank named must call it in the same sequence of calls."""
+    if comm.group is None or not (send or receive):
+        return {}
+    sizes_out = {p: torch.tensor([len(b)], dtype=torch.int64) for p, b in send.items()}
+    sizes_in = {p: torch.zeros(1, dtype=torch.int64) for p in receive}
+    _run(comm, sizes_out, sizes_in)
+    out = {p: torch.frombuffer(bytearray(b), dtype=torch.uint8) for p, b in send.items() if b}
+    into = {p: torch.empty(int(s), dtype=torch.uint8) for p, s in sizes_in.items() if int(s)}
+    _run(comm, out, into)
+    return {p: into[p].numpy().tobytes() if p in into else b"" for p in receive}
+
+
+def _run(comm: Comm, out: dict[int, torch.Tensor], into: dict[int, torch.Tensor]) -> None:
+    ops = [dist.P2POp(dist.isend, t, group=comm.group, group_peer=p) for p, t in out.items()]
+    ops += [dist.P2POp(dist.irecv, t, group=comm.group, group_peer=p) for p, t in into.items()]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
