@@ -306,6 +306,7 @@ class Checkpointer:
             replicas.replicate(
                 self._comm, memory, step, self._replica_partners, self._replica_sources
             )
+            memory.free_older(step)  # complete on every rank: older leftovers can go
         except BaseException as e:
             if not self._closed:
                 log.error("replicating the snapshot of step %d failed: %s", step, e)

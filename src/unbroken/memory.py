@@ -172,6 +172,7 @@ class MemoryTier:
         self.own = Slots(os.path.join(self.root, f"rank-{rank:05d}"), job, rank, world_size)
         self.dir = self.own.dir
         self._replicas: dict[int, Slots] = {}
+        self._others: dict[str, Slots] = {}  # folders of other rank numbers, by path
         with open(os.path.join(self.root, f"owner-{rank:05d}"), "w") as f:
             f.write(str(os.getpid()))
 
@@ -217,10 +218,71 @@ class MemoryTier:
             self._replicas[owner] = Slots(directory, self.job, owner, self.world_size)
         return self._replicas[owner]
 
+    def copies(self) -> dict[int, list[Slots]]:
+        """Every copy of a snapshot this node's memory holds for this job, by the rank
+        that saved it (as its slots' headers name it, checked on reading): this rank's
+        own, its replicas, and the folders of ranks that had other numbers before the
+        job restarted (torchrun may order a replacement node differently, renumbering
+        the survivors)."""
+        found: dict[int, list[Slots]] = {}
+        for kind in ("", "replicas"):
+            try:
+                names = sorted(os.listdir(os.path.join(self.root, kind)))
+            except FileNotFoundError:
+                continue
+            for name in names:
+                owner = _rank_of(name)
+                if owner is None or owner >= self.world_size:
+                    continue
+                found.setdefault(owner, []).append(self._slots(kind, name, owner))
+        return found
+
+    def _slots(self, kind: str, name: str, owner: int) -> Slots:
+        """One `Slots` per folder, so that what one caches (mapped files) stays true."""
+        if kind == "replicas":
+            return self.replica(owner)
+        directory = os.path.join(self.root, name)
+        if directory == self.own.dir:
+            return self.own
+        if directory not in self._others:
+            self._others[directory] = Slots(directory, self.job, owner, self.world_size)
+        return self._others[directory]
+
+    def holding(self, owner: int, step: int) -> Slots:
+        """Slots that hold a whole snapshot of ``step`` saved by rank ``owner``."""
+        for slots in self.copies().get(owner, []):
+            if step in slots.whole():
+                return slots
+        raise CheckpointError(f"{self.root} holds no snapshot of rank {owner} at step {step}")
+
+    def steps_of(self) -> dict[int, list[int]]:
+        """``{saved rank: steps}``: the whole snapshots held here, by the rank that
+        saved them (not yet checksummed: restore checks only the copies it uses)."""
+        held = {o: {s for slots in c for s in slots.whole()} for o, c in self.copies().items()}
+        return {o: sorted(steps) for o, steps in held.items() if steps}
+
     def snapshots(self) -> dict[int, Manifest]:
         """Every whole snapshot this rank holds of itself, by step (not yet checksummed:
         restore checks only the one it chooses, with `Slots.intact`)."""
         return {step: m for step, (_, m) in self.own.whole().items()}
+
+    def free_older(self, step: int) -> list[str]:
+        """Remove every other folder of this job whose snapshots are all older than
+        ``step``, once ``step`` is complete (every rank holds it, replicas included):
+        folders left by ranks renumbered on a restart, replicas of ranks this node no
+        longer keeps. No current rank needs them; they would double the memory."""
+        removed = []
+        for copies in self.copies().values():
+            for slots in copies:
+                if slots is self.own or any(s >= step for s in slots.whole()):
+                    continue
+                shutil.rmtree(slots.dir, ignore_errors=True)
+                self._others.pop(slots.dir, None)
+                self._replicas = {o: r for o, r in self._replicas.items() if r is not slots}
+                removed.append(slots.dir)
+        if removed:
+            log.info("freed shared memory no rank needs after step %d: %s", step, removed)
+        return removed
 
     def remove(self) -> None:
         """Forget everything this rank holds (the job finished)."""
@@ -254,6 +316,12 @@ def replica_layout(nodes: Sequence[str], rank: int, copies: int) -> tuple[list[i
     kept_by = partners(nodes, rank, copies)
     keeps = [r for r in range(len(nodes)) if rank in partners(nodes, r, copies)]
     return kept_by, keeps
+
+
+def _rank_of(name: str) -> int | None:
+    if not name.startswith("rank-") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
 
 
 def _renamed(manifest: Manifest, file: str) -> str:
