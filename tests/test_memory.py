@@ -320,7 +320,7 @@ def _renumbered_job(rank: int, world: int, root: str) -> dict:
     run_ranks_barrier(root, rank, world)
     # Restarted: rank r now runs on node 1 if r < 2, else on the new (empty) node 0.
     ckpt = on(1 if rank < 2 else 0)
-    fresh = {"w": torch.zeros(1000), "p": unbroken.Progress(step=0)}
+    fresh: dict[str, Any] = {"w": torch.zeros(1000), "p": unbroken.Progress(step=0)}
     restored = ckpt.restore(fresh)
     assert ckpt.last_restore is not None
     result = {
