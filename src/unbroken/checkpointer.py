@@ -25,7 +25,6 @@ from unbroken.errors import CheckpointError
 from unbroken.exiting import at_exit as _at_exit
 from unbroken.format import Manifest
 from unbroken.memory import MemoryTier
-from unbroken.memory import partners as record_partners
 from unbroken.memory import replica_layout as layout
 from unbroken.options import Options
 from unbroken.run import contract, worker
@@ -119,9 +118,10 @@ class Checkpointer:
         if memory:
             self._open_memory(memory_dir, nodes, replicas)
         # Per-step records go to one rank on another node (its replica partners').
-        to = self._replica_partners or record_partners(nodes, self.rank, 1)
-        sources = [r for r in range(len(nodes)) if to and self.rank in record_partners(nodes, r, 1)]
-        self._stepper = Stepper(self._comm, self._job, to, self._replica_sources or sources)
+        to, sources = self._replica_partners, self._replica_sources
+        if not to and not sources:
+            to, sources = layout(nodes, self.rank, 1)
+        self._stepper = Stepper(self._comm, self._job, to, sources)
         self._exchanging: Future[Any] | None = None
         # One thread persists saves in order: every rank then issues the same collectives
         # in the same order on the checkpointer's own group, never the training loop's.
