@@ -96,8 +96,11 @@ def _from_memory(
 ) -> Choice | None:
     """Sources in memory for ``step``, or None (on every rank) if a copy to be used is
     damaged somewhere. ``holders`` maps each rank whose own copy is gone to the ranks
-    holding its replica; the lowest of them provides it."""
-    plan = {r: min(q) for r, q in sorted(holders.items())}  # lost -> provider
+    holding a copy of it; the one serving fewest so far provides it (the ranks of a
+    node all see its memory: spread the sending over them)."""
+    plan: dict[int, int] = {}  # lost -> provider: the holder serving fewest so far
+    for lost, candidates in sorted(holders.items()):
+        plan[lost] = min(candidates, key=lambda q: (list(plan.values()).count(q), q))
     ok = all(
         memory.holding(r, step).intact(step) is not None for r, p in plan.items() if p == comm.rank
     )
