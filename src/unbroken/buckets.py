@@ -47,6 +47,9 @@ class Tracker:
     def __init__(self) -> None:
         self._seen: list[weakref.ref[DistributedDataParallel]] = []
         self._owed: dict[int, Layout] = {}  # id of a wrapped module -> layout
+        self._known: weakref.WeakKeyDictionary[DistributedDataParallel, Layout] = (
+            weakref.WeakKeyDictionary()
+        )
         self._handle: RemovableHandle | None = nn.modules.module.register_module_forward_pre_hook(
             self._hook
         )
@@ -82,8 +85,18 @@ class Tracker:
         return found
 
     def layouts(self, state: Mapping[str, Any]) -> dict[str, Layout]:
-        found = {n: layout(w) for n, w in self.wrappers(state).items()}
-        return {n: lay for n, lay in found.items() if lay is not None}
+        """The rebuilt layouts of ``state``'s wrappers (each read once: it never changes
+        after the rebuild, and reading it allocates a copy of the buckets)."""
+        found = {}
+        for name, wrapper in self.wrappers(state).items():
+            known = self._known.get(wrapper)
+            if known is None:
+                known = layout(wrapper)
+                if known is not None:
+                    self._known[wrapper] = known
+            if known is not None:
+                found[name] = known
+        return found
 
     def settle(self) -> None:
         """Stop watching unless a layout is still owed to a wrapper not yet run."""

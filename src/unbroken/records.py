@@ -105,15 +105,28 @@ class Record:
 def fingerprint(state: Mapping[str, Any]) -> str:
     """A cheap digest of the replicated entries: names, shapes, dtypes and a few evenly
     spaced elements of every tensor (an optimizer step changes nearly all of them)."""
-    tensors, _ = capture({k: v for k, v in state.items() if replicated(v)})
-    parts = []
-    for key, t in sorted(tensors.items()):
+    names, samples = [], []
+    for key, t in _replicated_tensors(state):
         flat = t.detach().reshape(-1)
         stride = max(1, flat.numel() // SAMPLES)
-        sample = flat[::stride][:SAMPLES].to("cpu").contiguous()
-        parts.append(f"{key}:{dtype_name(t.dtype)}:{list(t.shape)}:".encode())
-        parts.append(bytes(byte_view(sample)))
-    return checksum(memoryview(b"".join(parts)))
+        names.append(f"{key}:{dtype_name(t.dtype)}:{list(t.shape)}")
+        samples.append(flat[::stride][:SAMPLES].to("cpu").contiguous().view(torch.uint8))
+    data = torch.cat(samples) if samples else torch.empty(0, dtype=torch.uint8)
+    return checksum(memoryview("|".join(names).encode() + bytes(byte_view(data))))
+
+
+def _replicated_tensors(state: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Module parameters and buffers, optimizer state tensors: no JSON tree is built."""
+    found = []
+    for name, value in sorted(state.items()):
+        if isinstance(value, nn.Module):
+            found += [(f"{name}/{k}", t) for k, t in value.state_dict(keep_vars=True).items()]
+        elif isinstance(value, Optimizer):
+            for i, per_param in enumerate(value.state.values()):
+                for k, t in per_param.items():
+                    if isinstance(t, torch.Tensor):
+                        found.append((f"{name}/{i}/{k}", t))
+    return found
 
 
 # -- the registry ----------------------------------------------------------------------
