@@ -150,3 +150,27 @@ def test_registry_keeps_the_two_newest_records_per_rank():
     assert sorted(records.held(job)[0]) == [3, 4]
     records.forget(job)
     assert records.own(job, 2) is None and records.held(job) == {}
+
+
+def _exchange_job(rank: int, world: int) -> list[int]:
+    from datetime import timedelta
+
+    from unbroken.dist import Comm
+
+    comm = Comm(None, timedelta(seconds=30))
+    peer = 1 - rank
+    sizes = [0, 10, records.FIRST - 8, records.FIRST - 7, 300_000]
+    got = []
+    for n in sizes:
+        data = bytes((rank + i) % 251 for i in range(n))
+        back = records.exchange(comm, {peer: data}, [peer])[peer]
+        assert back == bytes((peer + i) % 251 for i in range(n)), n
+        got.append(len(back))
+    return got
+
+
+@pytest.mark.timeout(60)
+def test_records_travel_whole_whatever_their_size():
+    from ranks import run_ranks
+
+    assert run_ranks(_exchange_job, timeout=50) == [[0, 10, 65528, 65529, 300000]] * 2

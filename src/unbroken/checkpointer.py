@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from unbroken import abort, replicas, restoring, saving
+from unbroken import abort, records, replicas, restoring, saving
 from unbroken.background import PendingSave, SaveThread
 from unbroken.background import wait_for as _wait
 from unbroken.directory import Directory
@@ -122,7 +122,6 @@ class Checkpointer:
         if not to and not sources:
             to, sources = layout(nodes, self.rank, 1)
         self._stepper = Stepper(self._comm, self._job, to, sources)
-        self._exchanging: Future[Any] | None = None
         # One thread persists saves in order: every rank then issues the same collectives
         # in the same order on the checkpointer's own group, never the training loop's.
         self._worker = SaveThread()
@@ -274,7 +273,8 @@ class Checkpointer:
         """Wait for the worker to finish what it was given (failures stay recorded)."""
         with self._lock:
             pending = [p._future for p in self._pending]
-        pending += [f for f in (self._replicating, self._exchanging) if f is not None]
+        if self._replicating is not None:
+            pending.append(self._replicating)
         _wait(pending, "waiting for background saves")
 
     def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
@@ -319,17 +319,15 @@ class Checkpointer:
         before the step's next collective. Cheap, no storage IO and no waiting: it keeps
         a small record of what data-parallel replicas do not share (`Progress`,
         `RNGState`, schedulers, plain values; not modules or optimizers) in this process
-        and, in the background, on a peer on another node. After a failure, `restore`
+        and on a peer on another node (one point-to-point round trip). After a failure, `restore`
         then heals from live replicas (see `unbroken.healing`): healthy ranks keep their
         state, replacements get it from them, and at most the step in flight is lost.
-        Collective in the background: every rank calls it for the same steps."""
+        Every rank calls it for the same steps."""
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
-        record = self._stepper.record(step, state, self._memory)
-        if self._stepper.partners or self._stepper.sources:
-            self._exchanging = self._worker.submit(self._stepper.exchange, record)
+        self._stepper.exchange(self._stepper.record(step, state, self._memory))
 
     # -- restore ---------------------------------------------------------------------
 
@@ -372,6 +370,7 @@ class Checkpointer:
         finally:
             self._closed = True
             self._stepper.stop()
+            records.forget(self._job)  # the job is over here: nothing left to heal
             self._worker.shutdown(wait=True)
             self._comm.close()
 

@@ -176,24 +176,54 @@ def forget(job: str) -> None:
 # -- point-to-point --------------------------------------------------------------------
 
 
+FIRST = 64 * 1024  # bytes in the first message: a record usually fits, one round trip
+
+
 def exchange(comm: Comm, send: dict[int, bytes], receive: list[int]) -> dict[int, bytes]:
     """Send ``send[peer]`` to each peer and receive one message from each rank in
-    ``receive``: sizes first, then the bytes, each in one batch (no pair ordering to
-    deadlock on). Every rank named must call it in the same sequence of calls."""
+    ``receive``. A first message of `FIRST` bytes carries the length and the start (a
+    typical record whole); a longer one follows in a second message. Each round is one
+    batch (no pair ordering to deadlock on). Every rank named must call it in the same
+    sequence of calls."""
     if comm.group is None or not (send or receive):
         return {}
-    sizes_out = {p: torch.tensor([len(b)], dtype=torch.int64) for p, b in send.items()}
-    sizes_in = {p: torch.zeros(1, dtype=torch.int64) for p in receive}
-    _run(comm, sizes_out, sizes_in)
-    out = {p: torch.frombuffer(bytearray(b), dtype=torch.uint8) for p, b in send.items() if b}
-    into = {p: torch.empty(int(s), dtype=torch.uint8) for p, s in sizes_in.items() if int(s)}
+    out = {p: _first(b) for p, b in send.items()}
+    into = {p: torch.empty(FIRST, dtype=torch.uint8) for p in receive}
     _run(comm, out, into)
-    return {p: into[p].numpy().tobytes() if p in into else b"" for p in receive}
+    sizes = {p: int.from_bytes(into[p][:8].numpy().tobytes(), "little") for p in receive}
+    rest_out = {
+        p: torch.frombuffer(bytearray(b[FIRST - 8 :]), dtype=torch.uint8)
+        for p, b in send.items()
+        if len(b) > FIRST - 8
+    }
+    rest_in = {p: torch.empty(n - (FIRST - 8), dtype=torch.uint8) for p, n in sizes.items()
+               if n > FIRST - 8}  # fmt: skip
+    _run(comm, rest_out, rest_in)
+    got = {}
+    for p, n in sizes.items():
+        head = into[p][8 : 8 + min(n, FIRST - 8)].numpy().tobytes()
+        got[p] = head + (rest_in[p].numpy().tobytes() if p in rest_in else b"")
+    return got
+
+
+def _first(data: bytes) -> torch.Tensor:
+    first = bytearray(FIRST)
+    first[:8] = len(data).to_bytes(8, "little")
+    head = data[: FIRST - 8]
+    first[8 : 8 + len(head)] = head
+    return torch.frombuffer(first, dtype=torch.uint8)
+
+
+TAG = 1  # records travel on the training thread while replicas (tag 0) may be on the worker
 
 
 def _run(comm: Comm, out: dict[int, torch.Tensor], into: dict[int, torch.Tensor]) -> None:
-    ops = [dist.P2POp(dist.isend, t, group=comm.group, group_peer=p) for p, t in out.items()]
-    ops += [dist.P2POp(dist.irecv, t, group=comm.group, group_peer=p) for p, t in into.items()]
+    ops = [_op(dist.isend, t, p, comm) for p, t in out.items()]
+    ops += [_op(dist.irecv, t, p, comm) for p, t in into.items()]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+
+def _op(kind: object, t: torch.Tensor, peer: int, comm: Comm) -> dist.P2POp:
+    return dist.P2POp(kind, t, group=comm.group, tag=TAG, group_peer=peer)  # type: ignore[arg-type]

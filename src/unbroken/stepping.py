@@ -15,6 +15,7 @@ from torch import nn
 
 from unbroken import buckets, healing, records
 from unbroken.dist import Comm
+from unbroken.errors import CheckpointError
 from unbroken.memory import MemoryTier
 from unbroken.records import Record
 from unbroken.sources import Restored
@@ -47,18 +48,23 @@ class Stepper:
         return record
 
     def exchange(self, record: Record) -> None:
-        """Runs on the checkpointer's worker: send ``record`` to the partners, keep the
-        records the sources send. A failure only costs healing (restore then uses
-        snapshots), so it is logged, not raised."""
+        """Send ``record`` to the partners and keep the records the sources send, on the
+        caller's thread: when `Checkpointer.step` returns, the peer holds this step's
+        record, so a rank that dies later can be healed at this step. Point-to-point
+        with one or two partners (one round trip, tag `records.TAG`, concurrent with
+        the worker's replica traffic), never a collective. A failed peer fails it like
+        a collective: `CheckpointError`."""
         try:
             got = records.exchange(
                 self.comm, dict.fromkeys(self.partners, record.data), self.sources
             )
-            for owner, data in got.items():
-                received = Record.decode(data, f"rank {owner}")
-                records.keep_held(self.job, owner, received.step, data)
-        except Exception as e:
-            log.warning("sending the step record of step %d failed: %s", record.step, e)
+        except RuntimeError as e:  # gloo: the peer is gone, or the group was aborted
+            raise CheckpointError(
+                f"sending the step record of step {record.step} failed ({e}): a peer failed"
+            ) from e
+        for owner, data in got.items():
+            received = Record.decode(data, f"rank {owner}")
+            records.keep_held(self.job, owner, received.step, data)
 
     def observe(self, state: Mapping[str, Any], memory: MemoryTier | None) -> dict[str, Any]:
         """The DDP layouts of ``state``'s wrappers, noted in shared memory when new
