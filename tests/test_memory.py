@@ -292,3 +292,70 @@ def _incomplete_job(rank: int, world: int, root: str) -> int | None:
 
 def test_a_step_not_complete_on_every_rank_is_never_used(tmp_path):
     assert run_ranks(_incomplete_job, str(tmp_path), timeout=120) == [1, 1]
+
+
+def _renumbered_job(rank: int, world: int, root: str) -> dict:
+    """4 ranks on 2 simulated nodes; node 0 (ranks 0, 1) dies and the job restarts with
+    the survivor renumbered: its processes become ranks 0 and 1 and the replacement
+    node's ranks 2 and 3 (as torchrun orders a replacement host differently)."""
+    import shutil
+
+    def on(node: int) -> Checkpointer:
+        os.environ["UNBROKEN_NODE"] = str(node)
+        shm = os.path.join(root, f"node-{node}")
+        return Checkpointer(
+            os.path.join(root, "ckpt"), memory=True, replicas=1, memory_dir=shm, job="j"
+        )
+
+    ckpt = on(rank // 2)
+    state: dict[str, Any] = {"w": torch.full((1000,), float(rank)), "p": unbroken.Progress(step=0)}
+    for step in (1, 2, 3):
+        state["w"] += 1
+        state["p"].step = step
+        ckpt.snapshot(step, state)
+    ckpt.wait()
+    ckpt.close()
+    if rank < 2:
+        shutil.rmtree(os.path.join(root, "node-0"), ignore_errors=True)
+    run_ranks_barrier(root, rank, world)
+    # Restarted: rank r now runs on node 1 if r < 2, else on the new (empty) node 0.
+    ckpt = on(1 if rank < 2 else 0)
+    fresh: dict[str, Any] = {"w": torch.zeros(1000), "p": unbroken.Progress(step=0)}
+    restored = ckpt.restore(fresh)
+    assert ckpt.last_restore is not None
+    result = {
+        "restored": restored,
+        "origins": [o.kind for o in ckpt.last_restore.origins],
+        "equal": torch.equal(fresh["w"], torch.full((1000,), float(rank + 3))),
+        "progress": fresh["p"].step,
+    }
+    ckpt.snapshot(4, fresh)
+    ckpt.wait()  # step 4 is complete: the survivor frees what nobody needs
+    job = os.path.join(root, "node-1", "j")
+    result["kept"] = sorted(os.listdir(job)) + sorted(os.listdir(os.path.join(job, "replicas")))
+    ckpt.close()
+    return result
+
+
+def run_ranks_barrier(root: str, rank: int, world: int) -> None:
+    """Wait until every rank has reached this point (files: the group stays as it is)."""
+    import time
+
+    open(os.path.join(root, f"at-{rank}"), "w").close()
+    while not all(os.path.exists(os.path.join(root, f"at-{r}")) for r in range(world)):
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(150)
+def test_renumbered_ranks_find_their_state_in_any_peers_memory(tmp_path):
+    results = run_ranks(_renumbered_job, str(tmp_path), world=4, timeout=140)
+    assert [r["restored"] for r in results] == [3, 3, 3, 3]  # not storage: there is none
+    assert all(r["equal"] and r["progress"] == 3 for r in results), results
+    # Ranks 0 and 1 find what they saved in node 1's replicas of them; ranks 2 and 3
+    # get theirs from the folders node 1 kept under their old numbers.
+    assert results[0]["origins"] == ["memory", "memory", "replica", "replica"]
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    # The survivor holds its own two ranks and replicas of the new node's, nothing else.
+    kept = ["owner-00000", "owner-00001", "owner-00002", "owner-00003", "rank-00000",
+            "rank-00001", "replicas", "rank-00002", "rank-00003"]  # fmt: skip
+    assert results[0]["kept"] == kept, results[0]["kept"]

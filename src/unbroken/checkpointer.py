@@ -8,7 +8,6 @@ import os
 import socket
 import threading
 import warnings
-import weakref
 from collections.abc import Mapping, MutableMapping
 from concurrent import futures
 from concurrent.futures import Future
@@ -17,12 +16,13 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from unbroken import abort, replicas, restoring, saving
+from unbroken import abort, records, replicas, restoring, saving
 from unbroken.background import PendingSave, SaveThread
 from unbroken.background import wait_for as _wait
 from unbroken.directory import Directory
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
+from unbroken.exiting import at_exit as _at_exit
 from unbroken.format import Manifest
 from unbroken.memory import MemoryTier
 from unbroken.memory import replica_layout as layout
@@ -30,6 +30,7 @@ from unbroken.options import Options
 from unbroken.run import contract, worker
 from unbroken.sources import Restored
 from unbroken.staging import Stager
+from unbroken.stepping import Stepper
 from unbroken.storage import Storage, open_storage
 
 log = logging.getLogger("unbroken")
@@ -112,8 +113,15 @@ class Checkpointer:
         self._replica_partners: list[int] = []  # ranks that keep replicas of this rank
         self._replica_sources: list[int] = []  # ranks this rank keeps replicas of
         self._replicating: Future[Any] | None = None
+        self._job = job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{self.path}"
+        nodes = self._nodes()
         if memory:
-            self._open_memory(memory_dir, job, replicas)
+            self._open_memory(memory_dir, nodes, replicas)
+        # Per-step records go to one rank on another node (its replica partners').
+        to, sources = self._replica_partners, self._replica_sources
+        if not to and not sources:
+            to, sources = layout(nodes, self.rank, 1)
+        self._stepper = Stepper(self._comm, self._job, to, sources)
         # One thread persists saves in order: every rank then issues the same collectives
         # in the same order on the checkpointer's own group, never the training loop's.
         self._worker = SaveThread()
@@ -127,15 +135,16 @@ class Checkpointer:
         _at_exit(self)
         abort.register(self)
 
-    def _open_memory(self, memory_dir: str | None, job: str | None, replicas: int) -> None:
+    def _nodes(self) -> list[str]:
+        """Every rank's node: what torchrun calls one (its node rank), or a simulated one."""
+        node = os.environ.get(contract.NODE_ENV) or os.environ.get("GROUP_RANK")
+        return list(self._comm.all_gather(f"{socket.gethostname()}/{node}"))
+
+    def _open_memory(self, memory_dir: str | None, nodes: list[str], replicas: int) -> None:
         """The shared-memory tier and, with ``replicas``, who keeps replicas of whom."""
-        name = job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{self.path}"
         root = memory_dir or os.environ.get(contract.MEMORY_DIR_ENV) or contract.DEFAULT_MEMORY_ROOT
-        self._memory = MemoryTier(root, name, self.rank, self._comm.world_size)
+        self._memory = MemoryTier(root, self._job, self.rank, self._comm.world_size)
         if replicas:
-            # A node is what torchrun calls one (its node rank), or a simulated one.
-            node = os.environ.get(contract.NODE_ENV) or os.environ.get("GROUP_RANK")
-            nodes = self._comm.all_gather(f"{socket.gethostname()}/{node}")
             self._replica_partners, self._replica_sources = layout(nodes, self.rank, replicas)
 
     @property
@@ -190,6 +199,7 @@ class Checkpointer:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
         worker.tick(step)
         self._surface_failure()
+        self._stepper.observe(state, self._memory)
         arena = None if blocking else self._stager.acquire(wait=self.if_busy == "wait")
         try:
             if arena is None and not blocking:
@@ -282,6 +292,7 @@ class Checkpointer:
             # The slot about to be overwritten may be the one still being sent.
             _wait([self._replicating], f"snapshot of step {step}: waiting for replication")
             self._surface_failure()
+        self._stepper.observe(state, self._memory)
         staged = saving.stage(step, state, arena=None)
         blocks = zip(staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True)
         self._memory.write(step, list(blocks), staged.tree)
@@ -295,6 +306,7 @@ class Checkpointer:
             replicas.replicate(
                 self._comm, memory, step, self._replica_partners, self._replica_sources
             )
+            memory.free_older(step)  # complete on every rank: older leftovers can go
         except BaseException as e:
             if not self._closed:
                 log.error("replicating the snapshot of step %d failed: %s", step, e)
@@ -302,25 +314,47 @@ class Checkpointer:
                 self._failure = (step, e)
             raise
 
+    def step(self, step: int, state: Mapping[str, Any]) -> None:
+        """Declare ``state`` complete at ``step``: call it after each optimizer step,
+        before the step's next collective. Cheap, no storage IO and no waiting: it keeps
+        a small record of what data-parallel replicas do not share (`Progress`,
+        `RNGState`, schedulers, plain values; not modules or optimizers) in this process
+        and on a peer on another node (one point-to-point round trip). After a failure, `restore`
+        then heals from live replicas (see `unbroken.healing`): healthy ranks keep their
+        state, replacements get it from them, and at most the step in flight is lost.
+        Every rank calls it for the same steps."""
+        if self._closed:
+            raise CheckpointError(f"{self!r} is closed")
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, not {step!r}")
+        self._stepper.exchange(self._stepper.record(step, state, self._memory))
+
     # -- restore ---------------------------------------------------------------------
 
     def restore(
         self, state: MutableMapping[str, Any], step: int | None = None, *, strict: bool = True
     ) -> int | None:
-        """Load a committed checkpoint into ``state`` in place and return its step.
+        """Load a step into ``state`` in place and return it.
 
-        ``step=None`` takes the newest committed step, and returns None (touching
-        nothing) when there is none. Tensors are read straight into the existing
-        tensors where possible; Stateful objects then get ``load_state_dict``; plain JSON
-        values are replaced in ``state``. Keys, shapes and files are all checked on every
-        rank before any byte of ``state`` changes. ``strict=False`` skips top-level
-        entries and module parameters present on one side only. Saves still in the
-        background are waited for first (a failure among them is still raised by the next
-        `save` or `wait`). Where each rank's state came from is then in `last_restore`.
+        ``step=None`` takes the newest step, and returns None (touching nothing) when
+        there is none. After a failure where `step` records exist, the healthy ranks
+        keep their live state and replacements heal from it (origin ``"live"``); else
+        the newest step in shared memory or storage is loaded. Tensors are read
+        straight into the existing tensors where possible; Stateful objects then get
+        ``load_state_dict``; plain JSON values are replaced in ``state``. Keys, shapes
+        and files are all checked on every rank before any byte of ``state`` changes.
+        ``strict=False`` skips top-level entries and module parameters present on one
+        side only. Saves still in the background are waited for first (a failure among
+        them is still raised by the next `save` or `wait`). Where each rank's state
+        came from is then in `last_restore`.
         """
         self._drain()
         worker.event("restore_start")
-        self.last_restore = restoring.restore(self._restore_context(), state, step, strict)
+        healed = self._stepper.heal(state) if step is None else None
+        if healed is None:
+            healed = restoring.restore(self._restore_context(), state, step, strict)
+        self.last_restore = healed
+        self._stepper.agree_layouts(state, self._memory)
         restored = None if self.last_restore is None else self.last_restore.step
         worker.event("restore_done", step=restored)
         return restored
@@ -335,6 +369,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self._stepper.stop()
+            records.forget(self._job)  # the job is over here: nothing left to heal
             self._worker.shutdown(wait=True)
             self._comm.close()
 
@@ -346,6 +382,7 @@ class Checkpointer:
         if self._closed:
             return True
         self._closed = True
+        self._stepper.stop()
         with self._lock:
             running = [p._future for p in self._pending]
         self._worker.shutdown(wait=False, cancel=True)
@@ -359,32 +396,3 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.path!r}, rank={self.rank}/{self._comm.world_size})"
-
-
-def _at_exit(ckpt: Checkpointer) -> None:
-    """At interpreter exit, say so if a save is still persisting, then let it finish.
-
-    Registered with threading's exit hooks, which run (newest first) before the
-    interpreter joins worker threads, so the warning comes before the wait."""
-    ref = weakref.ref(ckpt)
-
-    def check() -> None:
-        live = ref()
-        if live is None or live._closed:
-            return
-        with live._lock:
-            pending = [p.step for p in live._pending if not p.done()]
-        if pending:
-            log.warning(
-                "exiting with saves of steps %s still persisting; waiting for them "
-                "(call Checkpointer.close() or use `with` to wait explicitly)",
-                pending,
-            )
-        live._worker.shutdown(wait=True)
-
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:  # pragma: no cover - CPython has had it since 3.9
-        import atexit
-
-        register = atexit.register
-    register(check)

@@ -47,7 +47,10 @@ def choose(
     step: int | None,
 ) -> Choice | None:
     """Agree on the step (``step``, or the newest; None if there is none) and on its
-    sources. Collective; raises on every rank if ``step`` is committed nowhere."""
+    sources. Collective; raises on every rank if ``step`` is committed nowhere.
+    ``replica_sources`` is no longer needed (every copy in memory is found by the rank
+    that saved it) and is ignored."""
+    del replica_sources
     requested = comm.all_gather(step)
     if len(set(requested)) > 1:
         raise CheckpointError(
@@ -56,7 +59,7 @@ def choose(
         )
     rejected: set[int] = set()  # steps whose copy in memory failed a checksum somewhere
     while True:
-        in_memory = _in_memory(comm, memory, replica_sources, rejected)
+        in_memory = _in_memory(comm, memory, rejected)
 
         def pick(in_memory: dict[int, dict[int, list[int]]] = in_memory) -> int | None:
             return _pick(directory, step, in_memory) if comm.rank == 0 else None
@@ -93,12 +96,18 @@ def _from_memory(
 ) -> Choice | None:
     """Sources in memory for ``step``, or None (on every rank) if a copy to be used is
     damaged somewhere. ``holders`` maps each rank whose own copy is gone to the ranks
-    holding its replica; the lowest of them provides it."""
-    plan = {r: min(q) for r, q in sorted(holders.items())}  # lost -> provider
-    ok = all(memory.replica(r).intact(step) is not None for r, p in plan.items() if p == comm.rank)
+    holding a copy of it; the one serving fewest so far provides it (the ranks of a
+    node all see its memory: spread the sending over them)."""
+    plan: dict[int, int] = {}  # lost -> provider: the holder serving fewest so far
+    for lost, candidates in sorted(holders.items()):
+        plan[lost] = min(candidates, key=lambda q: (list(plan.values()).count(q), q))
+    ok = all(
+        memory.holding(r, step).intact(step) is not None for r, p in plan.items() if p == comm.rank
+    )
     own = None
     if comm.rank not in plan:
-        own = MemorySource(memory.own, step)
+        # Its own folder, or another one on this node holding what this rank saved.
+        own = MemorySource(memory.holding(comm.rank, step), step)
         try:
             own.open()  # checksums every block, once
         except CheckpointError as e:
@@ -127,16 +136,18 @@ def _from_memory(
 
 
 def _in_memory(
-    comm: Comm, memory: MemoryTier | None, replica_sources: Sequence[int], rejected: set[int]
+    comm: Comm, memory: MemoryTier | None, rejected: set[int]
 ) -> dict[int, dict[int, list[int]]]:
-    """The steps every rank can get from shared memory: from its own, or, for a rank
-    whose copy is gone, from a peer's replica. ``{step: {lost rank: replica holders}}``.
-    Collective."""
+    """The steps every rank can get from shared memory: from its node's memory, or, for
+    a rank whose copy is gone, from a peer that holds one. Copies are found by the rank
+    that saved them, in any folder of any node (ranks renumbered by a restart find
+    theirs where they are). ``{step: {lost rank: holders}}``. Collective."""
     own: list[int] = []
     kept: dict[str, list[int]] = {}
     if memory is not None:
-        own = sorted(memory.snapshots())
-        kept = {str(o): sorted(memory.replica(o).whole()) for o in replica_sources}
+        held = memory.steps_of()
+        own = held.pop(comm.rank, [])
+        kept = {str(o): steps for o, steps in held.items()}
     table = comm.all_gather([own, kept])
     found = {}
     for candidate in {s for steps, _ in table for s in steps} | {

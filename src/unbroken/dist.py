@@ -3,12 +3,22 @@
 Checkpoint coordination runs on a process group of its own (gloo, host memory), so it
 never interleaves with the training loop's collectives, whatever backend those use.
 Messages are JSON, not pickles: nothing received from another process executes code.
+
+The group connects lazily (gloo's ``TORCH_GLOO_LAZY_INIT``): a pair of ranks connects
+when it first exchanges data. An eager gloo group connects the full mesh at creation,
+every rank reading every other's address from the store: O(world²) store requests.
+The checkpointer's group needs only its collectives' neighbours (rings, trees) and its
+replica partners: O(world) requests in all (docs/scaling.md). Under in-process recovery
+the group stays eager: `unbroken.abort` finds a group's sockets as the group is created,
+and must, to wake collectives stuck on a failed peer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -27,7 +37,7 @@ class Comm:
         self.rank, self.world_size = 0, 1
         if dist.is_available() and dist.is_initialized():
             # new_group is collective: every rank constructs its Checkpointer together.
-            with abort.tracking():
+            with abort.tracking(), _lazy(abort.poll_s() is None):
                 self.group = dist.new_group(
                     ranks=None if group is None else dist.get_process_group_ranks(group),
                     backend="gloo",
@@ -90,3 +100,19 @@ class Comm:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+@contextlib.contextmanager
+def _lazy(on: bool) -> Iterator[None]:
+    """gloo groups created inside connect lazily if ``on`` (read at group creation)."""
+    key = "TORCH_GLOO_LAZY_INIT"
+    before = os.environ.get(key)
+    if on:
+        os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before

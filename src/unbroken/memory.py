@@ -172,6 +172,7 @@ class MemoryTier:
         self.own = Slots(os.path.join(self.root, f"rank-{rank:05d}"), job, rank, world_size)
         self.dir = self.own.dir
         self._replicas: dict[int, Slots] = {}
+        self._others: dict[str, Slots] = {}  # folders of other rank numbers, by path
         with open(os.path.join(self.root, f"owner-{rank:05d}"), "w") as f:
             f.write(str(os.getpid()))
 
@@ -217,10 +218,71 @@ class MemoryTier:
             self._replicas[owner] = Slots(directory, self.job, owner, self.world_size)
         return self._replicas[owner]
 
+    def copies(self) -> dict[int, list[Slots]]:
+        """Every copy of a snapshot this node's memory holds for this job, by the rank
+        that saved it (as its slots' headers name it, checked on reading): this rank's
+        own, its replicas, and the folders of ranks that had other numbers before the
+        job restarted (torchrun may order a replacement node differently, renumbering
+        the survivors)."""
+        found: dict[int, list[Slots]] = {}
+        for kind in ("", "replicas"):
+            try:
+                names = sorted(os.listdir(os.path.join(self.root, kind)))
+            except FileNotFoundError:
+                continue
+            for name in names:
+                owner = _rank_of(name)
+                if owner is None or owner >= self.world_size:
+                    continue
+                found.setdefault(owner, []).append(self._slots(kind, name, owner))
+        return found
+
+    def _slots(self, kind: str, name: str, owner: int) -> Slots:
+        """One `Slots` per folder, so that what one caches (mapped files) stays true."""
+        if kind == "replicas":
+            return self.replica(owner)
+        directory = os.path.join(self.root, name)
+        if directory == self.own.dir:
+            return self.own
+        if directory not in self._others:
+            self._others[directory] = Slots(directory, self.job, owner, self.world_size)
+        return self._others[directory]
+
+    def holding(self, owner: int, step: int) -> Slots:
+        """Slots that hold a whole snapshot of ``step`` saved by rank ``owner``."""
+        for slots in self.copies().get(owner, []):
+            if step in slots.whole():
+                return slots
+        raise CheckpointError(f"{self.root} holds no snapshot of rank {owner} at step {step}")
+
+    def steps_of(self) -> dict[int, list[int]]:
+        """``{saved rank: steps}``: the whole snapshots held here, by the rank that
+        saved them (not yet checksummed: restore checks only the copies it uses)."""
+        held = {o: {s for slots in c for s in slots.whole()} for o, c in self.copies().items()}
+        return {o: sorted(steps) for o, steps in held.items() if steps}
+
     def snapshots(self) -> dict[int, Manifest]:
         """Every whole snapshot this rank holds of itself, by step (not yet checksummed:
         restore checks only the one it chooses, with `Slots.intact`)."""
         return {step: m for step, (_, m) in self.own.whole().items()}
+
+    def free_older(self, step: int) -> list[str]:
+        """Remove every other folder of this job whose snapshots are all older than
+        ``step``, once ``step`` is complete (every rank holds it, replicas included):
+        folders left by ranks renumbered on a restart, replicas of ranks this node no
+        longer keeps. No current rank needs them; they would double the memory."""
+        removed = []
+        for copies in self.copies().values():
+            for slots in copies:
+                if slots is self.own or any(s >= step for s in slots.whole()):
+                    continue
+                shutil.rmtree(slots.dir, ignore_errors=True)
+                self._others.pop(slots.dir, None)
+                self._replicas = {o: r for o, r in self._replicas.items() if r is not slots}
+                removed.append(slots.dir)
+        if removed:
+            log.info("freed shared memory no rank needs after step %d: %s", step, removed)
+        return removed
 
     def remove(self) -> None:
         """Forget everything this rank holds (the job finished)."""
@@ -234,26 +296,47 @@ def partners(nodes: Sequence[str], rank: int, copies: int) -> list[int]:
     index on each of the next ``copies`` nodes. Replicas land on another node whenever
     there is more than one; on a single node they go to other ranks of it. Pure:
     ``nodes[r]`` names rank r's node."""
-    order = list(dict.fromkeys(nodes))
-    ranks_on = {node: [r for r, n in enumerate(nodes) if n == node] for node in order}
-    mine = nodes[rank]
-    index = ranks_on[mine].index(rank)
-    if len(order) == 1:
-        others = [r for r in range(len(nodes)) if r != rank]
-        return [(rank + j) % len(nodes) for j in range(1, 1 + min(copies, len(others)))]
-    chosen = []
-    for j in range(1, 1 + min(copies, len(order) - 1)):
-        peers = ranks_on[order[(order.index(mine) + j) % len(order)]]
-        chosen.append(peers[index % len(peers)])
-    return chosen
+    return _Nodes(nodes).partners(rank, copies)
 
 
 def replica_layout(nodes: Sequence[str], rank: int, copies: int) -> tuple[list[int], list[int]]:
     """The ranks that keep replicas of ``rank``'s snapshots (see `partners`), and those
-    whose snapshots ``rank`` keeps replicas of. Pure: ``nodes[r]`` names rank r's node."""
-    kept_by = partners(nodes, rank, copies)
-    keeps = [r for r in range(len(nodes)) if rank in partners(nodes, r, copies)]
-    return kept_by, keeps
+    whose snapshots ``rank`` keeps replicas of. Pure: ``nodes[r]`` names rank r's node.
+    O(world * copies): it runs on every rank of a job of thousands."""
+    layout = _Nodes(nodes)
+    keeps = [r for r in range(len(nodes)) if rank in layout.partners(r, copies)]
+    return layout.partners(rank, copies), keeps
+
+
+class _Nodes:
+    """Ranks by node, computed once: `partners` is then O(copies)."""
+
+    def __init__(self, nodes: Sequence[str]) -> None:
+        self.nodes = nodes
+        self.order = list(dict.fromkeys(nodes))
+        self.position = {node: i for i, node in enumerate(self.order)}
+        self.ranks_on: dict[str, list[int]] = {node: [] for node in self.order}
+        self.index: list[int] = []
+        for r, node in enumerate(nodes):
+            self.index.append(len(self.ranks_on[node]))
+            self.ranks_on[node].append(r)
+
+    def partners(self, rank: int, copies: int) -> list[int]:
+        world = len(self.nodes)
+        if len(self.order) == 1:
+            return [(rank + j) % world for j in range(1, 1 + min(copies, world - 1))]
+        mine = self.position[self.nodes[rank]]
+        chosen = []
+        for j in range(1, 1 + min(copies, len(self.order) - 1)):
+            peers = self.ranks_on[self.order[(mine + j) % len(self.order)]]
+            chosen.append(peers[self.index[rank] % len(peers)])
+        return chosen
+
+
+def _rank_of(name: str) -> int | None:
+    if not name.startswith("rank-") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
 
 
 def _renamed(manifest: Manifest, file: str) -> str:

@@ -47,7 +47,7 @@ def manifests(comm: Comm, memory: MemoryTier, step: int, plan: dict[int, int]) -
 
     def offer() -> dict[str, str]:
         return {
-            str(lost): memory.replica(lost).raw(step)[0]
+            str(lost): memory.holding(lost, step).raw(step)[0]
             for lost, provider in plan.items()
             if provider == comm.rank
         }
@@ -67,8 +67,9 @@ def send(comm: Comm, memory: MemoryTier, step: int, plan: dict[int, int]) -> lis
     ops = []
     for lost, provider in sorted(plan.items()):
         if provider == comm.rank:
-            text, data = memory.replica(lost).raw(step)
-            for _, chunk in blocks(Manifest.from_json(text.encode(), memory.replica(lost).dir)):
+            slots = memory.holding(lost, step)
+            text, data = slots.raw(step)
+            for _, chunk in blocks(Manifest.from_json(text.encode(), slots.dir)):
                 ops.append(_op(dist.isend, data[chunk.start : chunk.end], lost, comm))
     return _start(ops)
 

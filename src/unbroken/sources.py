@@ -38,9 +38,11 @@ from unbroken.storage.local import LocalStorage
 @dataclass(frozen=True)
 class Origin:
     """Where one rank's state came from: ``"storage"``, its own node's shared
-    ``"memory"``, or the ``"replica"`` of it that rank ``peer`` kept."""
+    ``"memory"``, the ``"replica"`` of it that rank ``peer`` kept, or ``"live"``: healed
+    at the step the healthy ranks were at, its replicated tensors sent by rank ``peer``
+    (None: this rank kept its own live state)."""
 
-    kind: Literal["storage", "memory", "replica"]
+    kind: Literal["storage", "memory", "replica", "live"]
     step: int
     peer: int | None = None
 

@@ -1,0 +1,186 @@
+"""DDP's gradient bucket layout, carried across restarts so that training stays bitwise.
+
+A new `DistributedDataParallel` wrapper reduces its first iteration's gradients in an
+initial bucket layout (parameters in reverse definition order), then rebuilds the buckets
+in the order the gradients became ready and keeps that layout. Where a bucket's elements
+sit in its flat buffer decides the order in which gloo (and NCCL) sum the ranks'
+contributions, so at 3 or more ranks the first iteration after a restart (or after an
+in-process generation builds a new wrapper) differs from an uninterrupted run's by an
+ulp, and the runs drift apart from there. ``find_unused_parameters=True`` hides it (no
+rebuild), at the cost of a graph traversal per iteration.
+
+unbroken instead records the rebuilt layout (`layout`, in the per-step record and the
+restore outcome), and gives a new wrapper that layout before its first iteration
+(`apply`): its reducer is rebuilt by DDP's own construction code with those buckets.
+The reducer then rebuilds once more after that iteration, from the gradients' ready
+order, which is the same order again: nothing changes. Wrappers built with
+``static_graph=True`` or ``find_unused_parameters=True`` are left as they are (the first
+has no rebuild to match for; the second never rebuilds).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
+
+log = logging.getLogger("unbroken")
+
+Layout = list[list[int]]  # reducer parameter indices, bucket by bucket
+
+
+class Tracker:
+    """Finds the DDP wrappers of a state's modules, including wrappers built after
+    `restore` (the usual order: restore, then wrap), and gives each the layout it is
+    owed before its first iteration.
+
+    Until `stop` (the first `step`, `snapshot` or `save`: one iteration has run by
+    then) a global forward pre-hook watches every module call for a DDP wrapper's."""
+
+    def __init__(self) -> None:
+        self._seen: list[weakref.ref[DistributedDataParallel]] = []
+        self._owed: dict[int, Layout] = {}  # id of a wrapped module -> layout
+        self._known: weakref.WeakKeyDictionary[DistributedDataParallel, Layout] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._handle: RemovableHandle | None = nn.modules.module.register_module_forward_pre_hook(
+            self._hook
+        )
+
+    def _hook(self, module: nn.Module, args: Any) -> None:
+        if not isinstance(module, DistributedDataParallel):
+            return
+        if all(ref() is not module for ref in self._seen):
+            self._seen.append(weakref.ref(module))
+        owed = self._owed.pop(id(module.module), None)
+        if owed is not None:
+            apply(module, owed)
+
+    def owe(self, state: Mapping[str, Any], layouts: Mapping[str, Layout]) -> None:
+        """Apply ``layouts`` (by state entry) to the wrappers in ``state`` now, and to
+        wrappers of its modules built later, at their first forward."""
+        for name, wanted in layouts.items():
+            value = state.get(name)
+            if isinstance(value, DistributedDataParallel):
+                apply(value, wanted)
+            elif isinstance(value, nn.Module) and self._handle is not None:
+                self._owed[id(value)] = wanted
+
+    def wrappers(self, state: Mapping[str, Any]) -> dict[str, DistributedDataParallel]:
+        """The DDP wrappers of ``state``'s entries (or entries that are one), by name."""
+        seen = [w for w in (ref() for ref in self._seen) if w is not None]
+        found = {}
+        for name, value in state.items():
+            if isinstance(value, DistributedDataParallel):
+                found[name] = value
+            else:
+                found.update((name, w) for w in seen if w.module is value)
+        return found
+
+    def layouts(self, state: Mapping[str, Any]) -> dict[str, Layout]:
+        """The rebuilt layouts of ``state``'s wrappers (each read once: it never changes
+        after the rebuild, and reading it allocates a copy of the buckets)."""
+        found = {}
+        for name, wrapper in self.wrappers(state).items():
+            known = self._known.get(wrapper)
+            if known is None:
+                known = layout(wrapper)
+                if known is not None:
+                    self._known[wrapper] = known
+            if known is not None:
+                found[name] = known
+        return found
+
+    def settle(self) -> None:
+        """Stop watching unless a layout is still owed to a wrapper not yet run."""
+        if not self._owed:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+            self._owed.clear()
+
+
+def _eligible(ddp: DistributedDataParallel) -> bool:
+    reducer = getattr(ddp, "reducer", None)
+    return (
+        reducer is not None
+        and not ddp.static_graph
+        and not ddp.find_unused_parameters
+        and not getattr(ddp, "_use_python_reducer", False)
+        and not getattr(ddp, "_delay_all_reduce_all_params", False)
+    )
+
+
+def layout(ddp: DistributedDataParallel) -> Layout | None:
+    """The wrapper's bucket layout once its buckets are rebuilt, else None."""
+    if not _eligible(ddp) or not ddp._get_ddp_logging_data().get("has_rebuilt_buckets"):
+        return None
+    params, _ = ddp._build_params_for_reducer()
+    index = {id(p): i for i, p in enumerate(params)}
+    found = []
+    for bucket in ddp.reducer._get_zeros_like_grad_buckets():
+        ids = [index.get(id(p)) for p in bucket.parameters()]
+        if None in ids:
+            return None
+        found.append([int(i) for i in ids if i is not None])
+    return found
+
+
+def apply(ddp: DistributedDataParallel, wanted: Layout) -> bool:
+    """Give ``ddp`` the bucket layout ``wanted`` if it has not run an iteration yet and
+    the layout fits its parameters. Collective on the wrapper's group (DDP checks the
+    layout agrees across ranks). Whether it was applied."""
+    if not _eligible(ddp) or ddp._get_ddp_logging_data().get("num_iterations", 0):
+        return False
+    params, expect_sparse = ddp._build_params_for_reducer()
+    if not (
+        isinstance(wanted, list)
+        and all(isinstance(b, list) and all(type(i) is int for i in b) for b in wanted)
+        and sorted(i for b in wanted for i in b) == list(range(len(params)))
+    ):
+        log.warning("ignoring a recorded DDP bucket layout that does not fit the model")
+        return False
+    if layout_now(ddp) == wanted:
+        return False
+    ddp.reducer._remove_autograd_hooks()
+    with _assignment(wanted):
+        ddp._ddp_init_helper(
+            params, expect_sparse, ddp._build_debug_param_to_name_mapping(params), False
+        )
+    log.info("DDP buckets laid out as before the restore: %d buckets", len(wanted))
+    return True
+
+
+def layout_now(ddp: DistributedDataParallel) -> Layout:
+    """The wrapper's current bucket layout, rebuilt or not."""
+    params, _ = ddp._build_params_for_reducer()
+    index = {id(p): i for i, p in enumerate(params)}
+    buckets = ddp.reducer._get_zeros_like_grad_buckets()
+    return [[index[id(p)] for p in b.parameters()] for b in buckets]
+
+
+@contextmanager
+def _assignment(wanted: Layout) -> Iterator[None]:
+    """Make DDP's construction code assign ``wanted`` (it reverses what it is given)."""
+    original = dist._compute_bucket_assignment_by_size
+
+    def assign(params: Any, limits: Any, *args: Any, **kwargs: Any) -> Any:
+        _, sizes = original(params, limits, *args, **kwargs)
+        cap = max(sizes) if sizes else 0
+        return list(reversed(wanted)), [cap] * len(wanted)
+
+    dist._compute_bucket_assignment_by_size = assign  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist._compute_bucket_assignment_by_size = original
