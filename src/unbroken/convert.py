@@ -19,6 +19,7 @@ import io
 import os
 import pickle
 import re
+import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -63,6 +64,17 @@ def pickle_refusal(src: str) -> str:
     )
 
 
+class UnpicklingWarning(UserWarning):
+    """A DCP ``.metadata`` is being unpickled, as the caller asked."""
+
+
+def unpickling_warning(src: str) -> str:
+    return (
+        f"unpickling {src}/{DCP_METADATA} as asked (--trust-pickle): this runs any code "
+        "the file holds; do it only for checkpoints from a source you trust"
+    )
+
+
 def dcp_to_unbroken(
     src: str, dst: str, *, step: int, trust_pickle: bool = False,
     storage_options: dict[str, Any] | None = None, io_threads: int = 4,
@@ -80,11 +92,7 @@ def dcp_to_unbroken(
         ) from None
     if not trust_pickle:
         raise CheckpointError(pickle_refusal(src))
-    warnings.warn(
-        f"unpickling {src}/{DCP_METADATA} as asked (--trust-pickle): this runs any code "
-        "the file holds; do it only for checkpoints from a source you trust",
-        stacklevel=2,
-    )
+    warnings.warn(unpickling_warning(src), UnpicklingWarning, stacklevel=2)
     metadata = pickle.loads(source.read(DCP_METADATA))
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"{src}/{DCP_METADATA} does not hold DCP Metadata")
@@ -252,11 +260,13 @@ def _publish(path: str, data: bytes) -> None:
 
 def command(opts: Any) -> int:
     """``unbroken convert SRC DST --to unbroken|dcp`` (arguments: see unbroken.cli)."""
-    # One plain line on stderr, printed before anything is unpickled.
-    warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     if opts.to == "unbroken":
         step = 0 if opts.step is None else opts.step
-        n = dcp_to_unbroken(opts.path, opts.dst, step=step, trust_pickle=opts.trust_pickle)
+        if opts.trust_pickle:  # one plain line on stderr, before anything is unpickled
+            print(f"warning: {unpickling_warning(opts.path)}", file=sys.stderr, flush=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnpicklingWarning)  # printed above
+            n = dcp_to_unbroken(opts.path, opts.dst, step=step, trust_pickle=opts.trust_pickle)
         print(f"converted {n} DCP items into step {step} of {opts.dst}")
     else:
         n = unbroken_to_dcp(opts.path, opts.dst, step=opts.step, force=opts.force)
