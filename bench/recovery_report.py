@@ -68,7 +68,7 @@ def time_verdicts(
     """The time target's lines; whether each target scenario passed goes into
     ``time_pass``."""
     verdict = []
-    for key in ("c",):  # the issue's target; (d) and (e) are shown for comparison
+    for key in ("c", "f", "g"):  # the targets; (d) and (e) are shown for comparison
         if base is None or key not in results:
             continue
         r = results[key]
@@ -163,7 +163,7 @@ def scenario_cells(r: dict[str, Any], key: str, columns: int) -> list[str]:
         source += f" ({r['cold_cache_resident']:.0%} cached)"
     return [
         r["short"],
-        *(f"{r['phases_s'][k]:.2f}" for k, _ in PHASES),
+        *_seconds_each(r["phases_s"].get(k) for k, _ in PHASES),
         total,
         f"{r['back_at_fault_step_s']:.2f}",
         source,
@@ -172,6 +172,10 @@ def scenario_cells(r: dict[str, Any], key: str, columns: int) -> list[str]:
         _seconds(r["step_s"]),
         _seconds(r["snapshot_s"]),
     ]
+
+
+def _seconds_each(values: Any) -> list[str]:
+    return [_seconds(v) for v in values]
 
 
 def _seconds(value: float | None) -> str:

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,11 @@ SAVE_EVERY = 10
 NODES, LOCAL = 2, 2
 TRAIN = Path(__file__).with_name("train_job.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def log_fd(path: Path) -> int:
+    """A file for a child's stderr (the child keeps it open; the caller closes its own)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
 
 class Cluster:
@@ -38,11 +44,23 @@ class Cluster:
         self.out.mkdir(parents=True)
         self.shm: list[Path] = []
         self.coordinator = subprocess.Popen(
-            [sys.executable, "-m", "unbroken", "coordinator", "--host=127.0.0.1", "--port=0",
-             "--node-timeout=1.5", "--exit-when-done"],
-            stdout=subprocess.PIPE, stderr=open(tmp / "coordinator.err", "wb"), text=True,
-            env=ENV, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "unbroken",
+                "coordinator",
+                "--host=127.0.0.1",
+                "--port=0",
+                "--node-timeout=1.5",
+                "--exit-when-done",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=(err := log_fd(tmp / "coordinator.err")),
+            text=True,
+            env=ENV,
+            start_new_session=True,
         )
+        os.close(err)
         assert self.coordinator.stdout is not None
         line = self.coordinator.stdout.readline()
         assert "listening on" in line, line
@@ -54,17 +72,30 @@ class Cluster:
         shm = Path(f"/dev/shm/unbroken-test-{self.job}-{len(self.agents)}")
         self.shm.append(shm)
         cmd = [
-            sys.executable, "-m", "unbroken.run", "--in-process", f"--nnodes={NODES}",
-            f"--nproc-per-node={LOCAL}", *([f"--node-rank={node}"] if node is not None else []),
-            f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.job}",
-            "--max-restarts=3", *self.options, str(TRAIN), "--in-process",
-            f"--ckpt={self.tmp / 'ckpt'}", f"--out={self.out}", f"--steps={STEPS}",
-            f"--save-every={SAVE_EVERY}", "--replicas=1",
+            sys.executable,
+            "-m",
+            "unbroken.run",
+            "--in-process",
+            f"--nnodes={NODES}",
+            f"--nproc-per-node={LOCAL}",
+            *([f"--node-rank={node}"] if node is not None else []),
+            f"--rdzv-endpoint=127.0.0.1:{self.port}",
+            f"--rdzv-id={self.job}",
+            "--max-restarts=3",
+            *self.options,
+            str(TRAIN),
+            "--in-process",
+            f"--ckpt={self.tmp / 'ckpt'}",
+            f"--out={self.out}",
+            f"--steps={STEPS}",
+            f"--save-every={SAVE_EVERY}",
+            "--replicas=1",
         ]
-        err = open(self.tmp / f"agent-{len(self.agents)}.err", "wb")
+        err = log_fd(self.tmp / f"agent-{len(self.agents)}.err")
         proc = subprocess.Popen(
             cmd, env={**ENV, "UNBROKEN_MEMORY_DIR": str(shm)}, stderr=err, start_new_session=True
         )
+        os.close(err)
         self.agents.append(proc)
         return proc
 
@@ -89,10 +120,13 @@ class Cluster:
         }
 
     def log(self) -> str:
-        return "\n".join(f"== {p.name}\n{p.read_text()[-2500:]}" for p in sorted(self.tmp.glob("*.err")))
+        return "\n".join(
+            f"== {p.name}\n{p.read_text()[-2500:]}" for p in sorted(self.tmp.glob("*.err"))
+        )
 
     def close(self) -> None:
-        for proc in [self.coordinator, *self.agents]:
+        procs: list[subprocess.Popen[Any]] = [self.coordinator, *self.agents]
+        for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -198,3 +232,80 @@ def test_fault_during_recovery_bitwise(cluster, reference):
     lose_node(c, 1, then=kill_rank0)
     run = c.finish()
     check(run, reference, replaced={0, 2, 3})
+
+
+# -- the pieces, fast: the coordinator's decisions on a real store, the command lines
+
+
+def test_coordinator_starts_generations_and_frees_a_silent_nodes_slot():
+    import torch.distributed as dist
+
+    from unbroken.run import contract
+    from unbroken.run.coordinator import Coordinator
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.add(contract.GENERATION_KEY, 0)
+    co = Coordinator(store, node_timeout=0.3)
+    store.set(contract.JOB_KEY, json.dumps({"nnodes": 2, "nproc_per_node": 2}))
+
+    def spawn(g: int, agent: str) -> list[int] | None:
+        key = contract.generation_key(g, contract.SPAWN_KEY, agent)
+        return json.loads(store.get(key)) if store.check([key]) else None
+
+    def beat(*agents: str) -> None:
+        for a in agents:
+            store.add(contract.agent_beat_key(a), 1)
+        co.poll()
+
+    store.set(contract.slot_key(0, "owner"), "a")
+    beat("a")
+    assert spawn(0, "a") is None  # generation 0 waits for every node
+    store.set(contract.slot_key(1, "owner"), "b")
+    beat("a", "b")
+    assert (spawn(0, "a"), spawn(0, "b")) == ([0, 1], [2, 3])
+    # Rank 1 fails: node a aborts and settles, b settles with nothing lost.
+    store.set(f"{contract.ABORT_KEY}-0", json.dumps({"failed": [1]}))
+    store.set(contract.generation_key(0, contract.SETTLED_KEY, "a"), "[1]")
+    beat("a", "b")
+    assert int(store.add(contract.GENERATION_KEY, 0)) == 0  # b has not settled yet
+    store.set(contract.generation_key(0, contract.SETTLED_KEY, "b"), "[]")
+    beat("a", "b")
+    assert int(store.add(contract.GENERATION_KEY, 0)) == 1
+    assert (spawn(1, "a"), spawn(1, "b")) == ([1], [])
+    # Node b goes silent: its slot is freed and generation 1 aborted; a new agent takes
+    # the slot and is told to start all of its ranks in generation 2.
+    deadline = time.monotonic() + 5
+    while store.check([contract.slot_key(1, "owner")]):
+        assert time.monotonic() < deadline
+        beat("a")
+        time.sleep(0.05)
+    assert json.loads(store.get(f"{contract.ABORT_KEY}-1"))["failed"] == [2, 3]
+    store.set(contract.generation_key(1, contract.SETTLED_KEY, "a"), "[]")
+    beat("a")
+    assert int(store.add(contract.GENERATION_KEY, 0)) == 1  # no agent on slot 1 yet
+    assert store.compare_set(contract.slot_key(1, "owner"), "", "c").decode() == "c"
+    beat("a", "c")
+    assert int(store.add(contract.GENERATION_KEY, 0)) == 2
+    assert (spawn(2, "a"), spawn(2, "c")) == ([], [2, 3])
+
+
+def test_restart_all_across_nodes_gets_short_rendezvous_keep_alives():
+    from unbroken.run.launch import with_keep_alive
+
+    merged = with_keep_alive(["--nnodes", "2", "--rdzv-conf", "keep_alive_interval=3"])
+    assert merged == ["--nnodes=2", "--rdzv-conf=keep_alive_interval=3,keep_alive_max_attempt=2"]
+    assert with_keep_alive(["--nnodes=1", "--nproc-per-node=2"]) == [
+        "--nnodes=1",
+        "--nproc-per-node=2",
+    ]
+
+
+def test_in_process_across_nodes_needs_a_coordinator(capsys):
+    from unbroken.run.args import check_in_process, multi_node, parse
+
+    base = ["--in-process", "--nnodes=2", "--nproc-per-node=2", "--max-restarts=1"]
+    ok = parse([*base, "--node-rank=1", "--rdzv-endpoint=h:29400", str(TRAIN)])
+    assert multi_node(ok) and check_in_process(ok).node_rank == 1
+    with pytest.raises(SystemExit):
+        check_in_process(parse([*base, str(TRAIN)]))
+    assert "unbroken coordinator" in capsys.readouterr().err

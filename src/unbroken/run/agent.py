@@ -33,12 +33,16 @@ from unbroken.run import contract
 from unbroken.run.args import RunOptions
 from unbroken.run.procs import descendants, kill_tree
 from unbroken.run.spare import Spares
-from unbroken.run.supervisor import PROBE_S, Supervisor
+from unbroken.run.supervisor import Supervisor
 from unbroken.run.timeline import say
 from unbroken.run.watch import Stale
 
 BEAT_S = 0.2  # the agent's heartbeat to the coordinator
 CLAIM_WAIT_S = 600.0  # how long an agent waits for a node slot to be free
+# After a hang, how long ranks have to answer the abort before they are judged hung: more
+# than on one machine, since the abort reaches them through the coordinator, and a rank
+# killed wrongly costs far more than the wait.
+PROBE_S = 3.0
 
 
 def endpoint(targs: argparse.Namespace) -> tuple[str, int]:
@@ -89,7 +93,10 @@ class NodeAgent(Supervisor):
         where = f"{self.host}:{self.port}"
         try:
             self.store = dist.TCPStore(
-                self.host, self.port, is_master=False, wait_for_workers=False,
+                self.host,
+                self.port,
+                is_master=False,
+                wait_for_workers=False,
                 timeout=timedelta(seconds=60),
             )
         except Exception as e:
@@ -98,6 +105,9 @@ class NodeAgent(Supervisor):
                 f"`unbroken coordinator --port {self.port}` there first"
             ) from None
         self._join_job()
+        if self.opts.ours.warm_spare:  # ready before the slot: a standby node's spares
+            self.spares = Spares(self.store, self.base_env)
+            self.spares.start()
         self.slot = self._claim()
         self.beater = threading.Thread(target=self._beat, name="unbroken-agent-beat")
         self.beater.start()
@@ -107,9 +117,6 @@ class NodeAgent(Supervisor):
             f"each), coordinator {where}, heartbeat timeout {self.timeout:g} s",
             node=self.slot,
         )
-        if self.opts.ours.warm_spare:
-            self.spares = Spares(self.store, self.base_env)
-            self.spares.start()
 
     def _join_job(self) -> None:
         job = json.dumps({"nnodes": self.nodes, "nproc_per_node": self.local})
@@ -181,15 +188,18 @@ class NodeAgent(Supervisor):
         if g <= self.generation or not self.store.check([key]):
             return
         if g > self.opts.max_restarts:
-            self.give_up(f"generation {g}: the {self.opts.max_restarts} recoveries that "
-                         "--max-restarts allows are used up")
+            self.give_up(
+                f"generation {g}: the {self.opts.max_restarts} recoveries that "
+                "--max-restarts allows are used up"
+            )
             return
         ranks = json.loads(self.store.get(key))
         self.generation, self.generation_t = g, time.time()
         self.dead -= set(ranks)
         if g:
-            self.timeline.add("generation", f"generation {g}: starting ranks {ranks}",
-                              generation=g, ranks=ranks)
+            self.timeline.add(
+                "generation", f"generation {g}: starting ranks {ranks}", generation=g, ranks=ranks
+            )
         for rank in ranks:
             self.spawn(rank, g)
         if self.dead:  # lost after this agent settled: the new generation fails at once
@@ -223,8 +233,10 @@ class NodeAgent(Supervisor):
             return
         finished = [w.rank for w in self.workers.values() if w.done]
         if finished:
-            self.give_up(f"ranks {ranks} failed after ranks {finished} finished: they cannot "
-                         "be replaced in-process; run again without --in-process")
+            self.give_up(
+                f"ranks {ranks} failed after ranks {finished} finished: they cannot "
+                "be replaced in-process; run again without --in-process"
+            )
             return
         self.dead |= set(ranks)
         if self.seen_abort >= self.generation:
@@ -248,8 +260,13 @@ class NodeAgent(Supervisor):
         for rank in silent:
             proc = live[rank].proc
             assert proc is not None
-            self.timeline.add("hung", f"rank {rank} (pid {proc.pid}) did not answer the abort: "
-                              "SIGKILL; it is replaced alone", rank=rank, pid=proc.pid)
+            self.timeline.add(
+                "hung",
+                f"rank {rank} (pid {proc.pid}) did not answer the abort: "
+                "SIGKILL; it is replaced alone",
+                rank=rank,
+                pid=proc.pid,
+            )
             kill_tree(proc.pid)
             proc.wait()
             self.watch.ignore(proc.pid)
@@ -258,8 +275,12 @@ class NodeAgent(Supervisor):
 
     def on_hang(self, stale: list[Stale], now: float) -> None:
         ranks = sorted(s.rank for s in stale)
-        self.timeline.add("hang_detected", f"ranks {ranks} made no progress: aborting "
-                          f"generation {self.generation} to find the hung one(s)", ranks=ranks)
+        self.timeline.add(
+            "hang_detected",
+            f"ranks {ranks} made no progress: aborting "
+            f"generation {self.generation} to find the hung one(s)",
+            ranks=ranks,
+        )
         self._abort([], hang=True)
         self.watch.hold_off()
 
@@ -279,8 +300,11 @@ class NodeAgent(Supervisor):
 
     def replenish(self) -> None:
         owed = self.spares is not None and self.spares.owed > 0
-        if owed and self.workers and all(w.generation <= self.generation for w in
-                                         self.workers.values()):
+        if (
+            owed
+            and self.workers
+            and all(w.generation <= self.generation for w in self.workers.values())
+        ):
             mine = {w.rank for w in self.workers.values()}
             if set(self.reached("first_step", self.generation)) >= mine:
                 assert self.spares is not None

@@ -283,9 +283,7 @@ def multi_node(opts: RunOptions) -> bool:
     """Whether an in-process launch is one node agent of a multi-node job: it names a
     coordinator (``--rdzv-endpoint`` or ``--master-addr``) and is not a simulation."""
     given = {o.split("=", 1)[0].replace("_", "-") for o in opts.torchrun_opts}
-    return opts.ours.simulate_nodes is None and bool(
-        given & {"--rdzv-endpoint", "--master-addr"}
-    )
+    return opts.ours.simulate_nodes is None and bool(given & {"--rdzv-endpoint", "--master-addr"})
 
 
 def check_in_process(opts: RunOptions) -> argparse.Namespace:

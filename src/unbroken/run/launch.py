@@ -139,8 +139,7 @@ class RestartAll:
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{self.store.port}",
                 f"--rdzv-id={job}",
-                "--rdzv-conf=is_host=false,"
-                + ",".join(f"{k}={v}" for k, v in KEEP_ALIVE.items()),
+                "--rdzv-conf=is_host=false," + ",".join(f"{k}={v}" for k, v in KEEP_ALIVE.items()),
                 # c10d rendezvous orders nodes by address: one loopback address per
                 # node keeps node i at group rank i, replacement included.
                 f"--local-addr=127.0.{100 + i}.1",
