@@ -83,7 +83,15 @@ def run_multinode(cfg: RecoveryConfig, sc: Scenario, where: Path) -> dict[str, A
     try:
         for node in range(cfg.nodes):
             agent(node)
-        agent(None)  # the standby node: waits for a free slot
+        # The standby node, started once the others hold their slots: it waits for one.
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not all(
+            "node agent" in (where / f"agent-{i}.log").read_text() for i in range(cfg.nodes)
+        ):
+            if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
+                raise JobFailed("the node agents did not start", tail(where))
+            time.sleep(0.1)
+        agent(None)
         fault_t = wait(agents, time.monotonic() + JOB_TIMEOUT_S, where)
         coordinator.wait(timeout=30)
     finally:

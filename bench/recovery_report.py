@@ -168,7 +168,8 @@ def scenario_cells(r: dict[str, Any], key: str, columns: int) -> list[str]:
         f"{r['back_at_fault_step_s']:.2f}",
         source,
         str(r["lost_steps"]),
-        str(r["processes_restarted"]) + (" (spares)" if r["warm_spares_used"] else ""),
+        str(r["processes_restarted"])
+        + (f" ({r['warm_spares_used']} spares)" if r["warm_spares_used"] else ""),
         _seconds(r["step_s"]),
         _seconds(r["snapshot_s"]),
     ]

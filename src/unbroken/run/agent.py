@@ -105,9 +105,12 @@ class NodeAgent(Supervisor):
                 f"`unbroken coordinator --port {self.port}` there first"
             ) from None
         self._join_job()
-        if self.opts.ours.warm_spare:  # ready before the slot: a standby node's spares
+        if self.opts.ours.warm_spare:
+            # Ready before the slot is: an agent without --node-rank is a standby or a
+            # replacement node, whose ranks all start at once: one spare for each.
             self.spares = Spares(self.store, self.base_env)
-            self.spares.start()
+            for _ in range(self.local if self.wanted is None else 1):
+                self.spares.start()
         self.slot = self._claim()
         self.beater = threading.Thread(target=self._beat, name="unbroken-agent-beat")
         self.beater.start()
@@ -134,7 +137,11 @@ class NodeAgent(Supervisor):
         slots = range(self.nodes) if self.wanted is None else [self.wanted]
         deadline = time.monotonic() + CLAIM_WAIT_S
         said = False
+        done = [contract.slot_key(s, contract.DONE_SUFFIX) for s in range(self.nodes)]
         while time.monotonic() < deadline:
+            if self.store.check(done):
+                say("the job finished while this agent waited for a node slot")
+                raise SystemExit(0)
             for slot in slots:
                 key = contract.slot_key(slot, "owner")
                 if self.store.compare_set(key, "", self.id).decode() == self.id:
@@ -177,6 +184,7 @@ class NodeAgent(Supervisor):
         self._handle_abort()
         self.replenish()
         if self.workers and all(w.done for w in self.workers.values()):
+            self._stop_beating()  # before the coordinator may exit: no beat into a void
             self.store.set(contract.slot_key(self.slot, contract.DONE_SUFFIX), self.id)
             return False
         return True
@@ -312,6 +320,9 @@ class NodeAgent(Supervisor):
 
     def cleanup(self) -> None:
         super().cleanup()
+        self._stop_beating()
+
+    def _stop_beating(self) -> None:
         self.stopped.set()
         if self.beater is not None:
             self.beater.join()

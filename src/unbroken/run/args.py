@@ -121,7 +121,8 @@ def _our_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--warm-spare",
         action="store_true",
-        help="with --in-process: keep a standby worker per node with torch imported",
+        help="with --in-process: keep a standby worker per node with torch imported (a "
+        "node agent without --node-rank, a standby node, keeps one per local rank)",
     )
     return p
 
