@@ -28,7 +28,16 @@ between two disk checkpoints:
     lost node's ranks and pull their state from the replicas. The target is for this one;
 (d) the same node loss with unbroken's fallback: a replacement node joins, torchrun
     restarts every worker, the lost node's ranks restore from their peers' replicas;
-(e) as (c) without warm spares: the lost node's ranks start as new interpreters.
+(e) as (c) without warm spares: the lost node's ranks start as new interpreters;
+(f), (g) across nodes (bench/recovery_multinode.py): an ``unbroken coordinator`` and one
+    ``unbroken run --in-process`` node agent per node, each its own process tree with its
+    own shared memory, plus a standby node agent with warm spares that claims the lost
+    node's slot; the training calls ``Checkpointer.step`` every step (live healing, where
+    the library has it); (f) loses another node, (g) the node holding rank 0. Lost-node
+    detection is the coordinator's --node-timeout (1 s here).
+
+Restart-all across nodes ((d)): the "restart" phase is how long the surviving agent took
+to drop the lost node from the rendezvous and restart its workers (keep-alive 2 x 1 s).
 
 Phases, from the launcher's timeline (``--timeline-json``) and the workers' own event
 logs, each boundary the moment the last rank passed it: detect (fault -> the launcher sees
@@ -61,6 +70,7 @@ import time
 
 from common import disk_workdir, print_result
 from recovery_jobs import run_scenario
+from recovery_multinode import run_multinode_scenario
 from recovery_report import report
 from recovery_scaling import run_scaling
 from recovery_scenarios import RecoveryConfig, scenarios
@@ -78,8 +88,8 @@ def main() -> None:
     parser, args = parse()
     scaling_ranks = tuple(int(n) for n in args.scaling_ranks.split(",") if n.strip())
     chosen = set(args.scenarios.replace(",", ""))
-    if not chosen or chosen - set("abcde"):
-        parser.error(f"--scenarios {args.scenarios!r}: pick from a, b, c, d, e")
+    if not chosen or chosen - set("abcdefg"):
+        parser.error(f"--scenarios {args.scenarios!r}: pick from a to g")
 
     workdir = disk_workdir(parser, args.dir, "unbroken-recovery-")
     cfg = RecoveryConfig(
@@ -101,7 +111,8 @@ def main() -> None:
         results = {}
         for sc in (sc for sc in scenarios(cfg) if sc.key in chosen):
             print(f"running {sc.label} ...", flush=True)
-            results[sc.key] = run_scenario(cfg, sc)
+            run = run_multinode_scenario if sc.multinode else run_scenario
+            results[sc.key] = run(cfg, sc)
             r = results[sc.key]
             if r["total_s"] is not None:
                 print(f"  {r['total_s']:.2f} s from fault to first step, {r['lost_steps']} lost")
@@ -136,7 +147,7 @@ def parse() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
         help="unbroken run's hang watchdog: a rank without progress this long is killed",
     )
     parser.add_argument(
-        "--scenarios", default="abcde", help="which of a-e to run (default: all; (a) is the base)"
+        "--scenarios", default="abcdefg", help="which of a-g to run (default: all; (a) is the base)"
     )
     parser.add_argument(
         "--scaling-ranks",

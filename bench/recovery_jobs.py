@@ -61,6 +61,38 @@ def read_events(folder: Path) -> list[dict[str, Any]]:
     return events
 
 
+def worker_args(cfg: RecoveryConfig, sc: Scenario, where: Path) -> list[str]:
+    """recovery_worker.py's arguments for scenario ``sc`` in folder ``where``."""
+    return [
+        f"--out={where / 'events'}",
+        f"--ckpt={where / 'ckpt'}",
+        f"--steps={cfg.steps}",
+        f"--save-every={cfg.save_every}",
+        f"--memory-every={sc.memory_every}",
+        f"--replicas={sc.replicas}",
+        f"--mib-per-rank={cfg.mib_per_rank}",
+        *(["--cold"] if sc.cold else []),
+        *(["--live"] if sc.live else []),
+    ]
+
+
+def failed(sc: Scenario, e: JobFailed, timeline: dict[str, Any]) -> dict[str, Any]:
+    """The result of a scenario whose job did not recover."""
+    print(f"  FAILED: {e.why}\n" + textwrap.indent(e.tail, "    | "), flush=True)
+    return {
+        "short": sc.short,
+        "label": sc.label,
+        "fault": sc.fault,
+        "in_process": sc.in_process,
+        "launcher_options": list(sc.launcher),
+        "failed": e.why,
+        "failure_details": e.details,
+        "total_s": None,
+        "lost_steps": None,
+        "timeline_recoveries": timeline.get("recoveries"),
+    }
+
+
 def run_scenario(cfg: RecoveryConfig, sc: Scenario) -> dict[str, Any]:
     where = Path(cfg.dir) / sc.key
     out = where / "events"
@@ -76,35 +108,13 @@ def run_scenario(cfg: RecoveryConfig, sc: Scenario) -> dict[str, Any]:
         f"--inject-fault={sc.fault}",
         *sc.launcher,
     ]
-    worker_args = [
-        f"--out={out}",
-        f"--ckpt={where / 'ckpt'}",
-        f"--steps={cfg.steps}",
-        f"--save-every={cfg.save_every}",
-        f"--memory-every={sc.memory_every}",
-        f"--replicas={sc.replicas}",
-        f"--mib-per-rank={cfg.mib_per_rank}",
-        *(["--cold"] if sc.cold else []),
-    ]
     started = time.monotonic()
     try:
-        launch(options, worker_args, where, timeout=JOB_TIMEOUT_S)
+        launch(options, worker_args(cfg, sc, where), where, timeout=JOB_TIMEOUT_S)
         result = analyse(cfg, sc, json.loads(timeline_path.read_text()), read_events(out))
     except JobFailed as e:
-        print(f"  FAILED: {e.why}\n" + textwrap.indent(e.tail, "    | "), flush=True)
         timeline = json.loads(timeline_path.read_text()) if timeline_path.exists() else {}
-        result = {
-            "short": sc.short,
-            "label": sc.label,
-            "fault": sc.fault,
-            "in_process": sc.in_process,
-            "launcher_options": list(sc.launcher),
-            "failed": e.why,
-            "failure_details": e.details,
-            "total_s": None,
-            "lost_steps": None,
-            "timeline_recoveries": timeline.get("recoveries"),
-        }
+        result = failed(sc, e, timeline)
     result["job_wall_s"] = round(time.monotonic() - started, 2)
     shutil.rmtree(where, ignore_errors=True)  # the checkpoints: 256 MiB per disk save
     return result

@@ -68,7 +68,7 @@ def time_verdicts(
     """The time target's lines; whether each target scenario passed goes into
     ``time_pass``."""
     verdict = []
-    for key in ("c",):  # the issue's target; (d) and (e) are shown for comparison
+    for key in ("c", "f", "g"):  # the targets; (d) and (e) are shown for comparison
         if base is None or key not in results:
             continue
         r = results[key]
@@ -163,15 +163,20 @@ def scenario_cells(r: dict[str, Any], key: str, columns: int) -> list[str]:
         source += f" ({r['cold_cache_resident']:.0%} cached)"
     return [
         r["short"],
-        *(f"{r['phases_s'][k]:.2f}" for k, _ in PHASES),
+        *_seconds_each(r["phases_s"].get(k) for k, _ in PHASES),
         total,
         f"{r['back_at_fault_step_s']:.2f}",
         source,
         str(r["lost_steps"]),
-        str(r["processes_restarted"]) + (" (spares)" if r["warm_spares_used"] else ""),
+        str(r["processes_restarted"])
+        + (f" ({r['warm_spares_used']} spares)" if r["warm_spares_used"] else ""),
         _seconds(r["step_s"]),
         _seconds(r["snapshot_s"]),
     ]
+
+
+def _seconds_each(values: Any) -> list[str]:
+    return [_seconds(v) for v in values]
 
 
 def _seconds(value: float | None) -> str:

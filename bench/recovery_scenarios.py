@@ -48,6 +48,8 @@ class Scenario:
     memory_every: int
     replicas: int
     cold: bool = False
+    multinode: bool = False  # a coordinator and one node agent per node (recovery_multinode)
+    live: bool = False  # the worker calls Checkpointer.step every step
     launcher: tuple[str, ...] = ()  # options of `unbroken run` beyond the common ones
 
     @property
@@ -97,6 +99,7 @@ def scenarios(cfg: RecoveryConfig) -> list[Scenario]:
             memory_every=every,
             replicas=1,
         ),
+        *multinode(cfg),
         Scenario(
             "e",
             "(e) node lost: in-process, cold replacements",
@@ -107,3 +110,26 @@ def scenarios(cfg: RecoveryConfig) -> list[Scenario]:
             launcher=("--in-process",),
         ),
     ]
+
+
+def multinode(cfg: RecoveryConfig) -> list[Scenario]:
+    """(f), (g): one ``unbroken run --in-process`` node agent per node and an ``unbroken
+    coordinator``, plus a standby node agent (warm spares) that takes the lost slot."""
+    out = []
+    for key, node, what in (("f", cfg.nodes - 1, "another node"), ("g", 0, "the node of rank 0")):
+        out.append(
+            Scenario(
+                key,
+                f"({key}) multi-node in-process, live, lost: {what}",
+                f"({key}) unbroken across nodes: {what} lost (node {node}); one node agent "
+                "per node and a coordinator; a standby node agent with warm spares takes the "
+                "free slot; live healing (Checkpointer.step every step) plus replicas",
+                f"kill-node node={node} step={cfg.fault_step}",
+                memory_every=cfg.memory_every,
+                replicas=1,
+                multinode=True,
+                live=True,
+                launcher=("--in-process", "--warm-spare"),
+            )
+        )
+    return out

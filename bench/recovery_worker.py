@@ -158,6 +158,11 @@ def source_of(restored: unbroken.Restored) -> str:
     kinds = [origin.kind for origin in restored.origins]
     if all(kind == "storage" for kind in kinds):
         return "disk"
+    if "live" in kinds:
+        return "live replicas" + "".join(
+            f", {k} for ranks {[r for r, x in enumerate(kinds) if x == k]}"
+            for k in sorted(set(kinds) - {"live"})
+        )
     peers = [rank for rank, kind in enumerate(kinds) if kind == "replica"]
     return "shared memory" + (f", peer replicas for ranks {peers}" if peers else "")
 
@@ -194,6 +199,8 @@ def loop(
         elif len(step_s) == 1:
             log("loss", step=step, loss=loss.item())
         run.tick(step)  # heartbeat, and the injected fault, after the step completes
+        if args.live and hasattr(ckpt, "step"):
+            ckpt.step(step, state)  # live healing: the per-step copy a replacement heals from
         if memory and step % args.memory_every == 0:
             started = time.perf_counter()
             ckpt.snapshot(step, state)
@@ -222,6 +229,9 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=0)
     p.add_argument("--mib-per-rank", type=float, default=256)
     p.add_argument("--cold", action="store_true", help="evict the checkpoint before restore")
+    p.add_argument(
+        "--live", action="store_true", help="call Checkpointer.step every step (live healing)"
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     log = Events(args.out)

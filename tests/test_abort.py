@@ -4,6 +4,7 @@ give up (2 real gloo ranks)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import Future
@@ -85,3 +86,44 @@ def test_checkpointer_waits_give_up_once_aborted():
     finally:
         abort.begin()
         abort._enabled = False  # this process is not under in-process recovery
+
+
+def _gloo_only(rank: int, world: int) -> dict[str, object]:
+    import torch
+    import torch.distributed as dist
+
+    aborted = abort.abort_nccl()  # gloo groups are not NCCL's: left alone
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return {"aborted": aborted, "sum": t.item()}
+
+
+@pytest.mark.timeout(60)
+def test_nccl_abort_leaves_gloo_groups_alone():
+    results = run_ranks(_gloo_only)
+    assert [r["aborted"] for r in results] == [0, 0]
+    assert [r["sum"] for r in results] == [2.0, 2.0]
+
+
+@pytest.mark.timeout(60)
+def test_nccl_group_is_aborted_with_torchs_abort():
+    """GPU only: a one-rank NCCL group aborted through torch's own abort fails its next
+    collective instead of running it."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        pytest.skip("needs a CUDA GPU and NCCL")
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        t = torch.ones(1, device="cuda")
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        assert abort.abort_nccl() == 1
+        with pytest.raises(Exception):  # noqa: B017 (torch raises a DistBackendError or RuntimeError)
+            dist.all_reduce(t)
+            torch.cuda.synchronize()
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()

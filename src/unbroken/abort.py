@@ -14,6 +14,14 @@ which then waits for the group's timeout. So the Checkpointer never blocks its c
 its own gloo work without a bound: its waits poll `check`, and an aborted Checkpointer is
 abandoned (`Checkpointer._abandon`, through `register` and `abandon_all`), not joined.
 
+NCCL groups (GPU) are aborted through torch's own abort
+(``torch.distributed.distributed_c10d._abort_process_group``), which aborts every NCCL
+communicator of the process inside one ncclGroupStart/End, so that no collective in
+flight on a GPU waits for a dead peer (`abort_nccl`, called by `shutdown`). Set
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` for in-process recovery on GPUs, as torch asks:
+otherwise NCCL's watchdog may tear the process down before the abort. On CPU (no NCCL
+group) this part does nothing.
+
 Sockets are recognised by their inode, recorded as the group is created (gloo connects
 its whole mesh while the group is built). Listening sockets are left alone: gloo's
 listener thread aborts the process if its socket is shut down under it. Groups the
@@ -25,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -125,7 +134,27 @@ def shutdown(generation: int | None = None) -> int:
                         count += 1
                 finally:
                     sock.close()
+        count += abort_nccl()
     return count
+
+
+def abort_nccl() -> int:
+    """Abort this process's NCCL process groups with torch's own abort; how many there
+    were (0 without torch.distributed loaded, or without NCCL groups: on CPU)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_nccl_available():
+        return 0
+    c10d = dist.distributed_c10d
+    groups = [pg for pg, (backend, _) in list(c10d._world.pg_map.items()) if "nccl" in str(backend)]
+    if not groups:
+        return 0
+    try:
+        # WORLD: every group at once, inside one ncclGroupStart/End (aborting NCCL
+        # communicators one by one can deadlock, pytorch issue 119797).
+        c10d._abort_process_group(None)
+    except (RuntimeError, ValueError):
+        return 0  # destroyed meanwhile: nothing left to abort
+    return len(groups)
 
 
 def _sockets() -> dict[int, str]:

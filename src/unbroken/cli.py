@@ -65,6 +65,10 @@ def _dispatch(args: list[str]) -> int:
         from unbroken.run.cli import main as run
 
         return run(args[1:])
+    if args[:1] == ["coordinator"]:
+        from unbroken.run.coordinator import main as coordinator
+
+        return coordinator(args[1:])
     opts = _parser().parse_args(args)
     try:
         return int(opts.func(opts))
@@ -130,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--force", action="store_true", help="--to dcp: replace DST's checkpoint")
     sub.add_parser("demo", help="train, kill and resume a small GPT under torchrun (30-40 s)")
     sub.add_parser("run", help="torchrun with restarts, hang detection and fault injection")
+    sub.add_parser("coordinator", help="the store of a multi-node `run --in-process` job")
     return parser
 
 

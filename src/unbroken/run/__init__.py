@@ -30,6 +30,8 @@ The worker-side modules import torch only inside the calls that need it. The mod
     nodes       simulated nodes' shared memory
     launch      restart-all: torchrun agents
     supervisor  in-process: one process per rank, failed ranks replaced alone
+    agent       in-process across machines: one node agent per node
+    coordinator ``unbroken coordinator``: node slots, node loss, generations
     cli         main(argv) and the poll loop that drives either mode
     measure     how long process-group initialisation takes
 """

@@ -51,6 +51,19 @@ IN_PROCESS_ALLOWED = {
     "--no-python",
     "--no_python",
 }
+# Multi-node in-process (`unbroken.run.agent`): where the coordinator is, which node this is.
+MULTI_NODE_ALLOWED = {
+    "--node-rank",
+    "--node_rank",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--master-addr",
+    "--master_addr",
+    "--master-port",
+    "--master_port",
+}
 _TAKES_VALUE = {"--inject-fault", "--heartbeat-timeout", "--simulate-nodes", "--timeline-json"}
 _FLAGS = {"--in-process", "--warm-spare"}
 
@@ -102,13 +115,14 @@ def _our_parser() -> argparse.ArgumentParser:
         "--in-process",
         action="store_true",
         help="replace only failed ranks, keeping the healthy ones alive (the script calls "
-        "unbroken.run.in_process); one machine only, simulated nodes included: run "
-        "multi-machine jobs without it (see unbroken.run.supervisor)",
+        "unbroken.run.in_process); across machines, one per node with --nnodes, "
+        "--node-rank and --rdzv-endpoint of an `unbroken coordinator`",
     )
     p.add_argument(
         "--warm-spare",
         action="store_true",
-        help="with --in-process: keep a standby worker per node with torch imported",
+        help="with --in-process: keep a standby worker per node with torch imported (a "
+        "node agent without --node-rank, a standby node, keeps one per local rank)",
     )
     return p
 
@@ -175,7 +189,9 @@ def parse(argv: list[str]) -> RunOptions:
         parser.error("--heartbeat-timeout must be positive (or 0 to turn the watchdog off)")
     if ours.simulate_nodes is not None:
         _check_simulation(parser, ours.simulate_nodes, torchrun_opts, targs)
-    _check_targets(parser, faults, ours.simulate_nodes, nproc, targs)
+    nnodes = _int(str(targs.nnodes).split(":")[-1])
+    multi = nnodes if nnodes is not None and nnodes > 1 else None
+    _check_targets(parser, faults, ours.simulate_nodes or multi, nproc, targs)
     if problem := script_problem(script[0], module=targs.module, no_python=targs.no_python):
         print(f"unbroken run: error: {problem}", file=sys.stderr)
         raise SystemExit(2)
@@ -222,10 +238,10 @@ def _check_targets(
     for f in faults:
         if f.kind == "kill-node":
             if nodes is None:
-                parser.error(f"{str(f)!r} needs --simulate-nodes (a node is an agent here)")
+                parser.error(f"{str(f)!r} needs --simulate-nodes or --nnodes")
             elif f.target >= nodes:
                 parser.error(f"{str(f)!r}: there are only nodes 0..{nodes - 1}")
-        elif nproc is not None and f.target >= nproc * (nodes or _int(targs.nnodes) or 1):
+        elif nproc is not None and f.target >= nproc * (nodes or 1):
             parser.error(f"{str(f)!r}: no such rank in this job")
 
 
@@ -264,20 +280,34 @@ def _int(text: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def multi_node(opts: RunOptions) -> bool:
+    """Whether an in-process launch is one node agent of a multi-node job: it names a
+    coordinator (``--rdzv-endpoint`` or ``--master-addr``) and is not a simulation."""
+    given = {o.split("=", 1)[0].replace("_", "-") for o in opts.torchrun_opts}
+    return opts.ours.simulate_nodes is None and bool(given & {"--rdzv-endpoint", "--master-addr"})
+
+
 def check_in_process(opts: RunOptions) -> argparse.Namespace:
     """Refuse what in-process mode cannot do; torchrun's parsed options."""
     parser = argparse.ArgumentParser(prog="unbroken run --in-process")
     targs = torchrun_parser().parse_args([*opts.torchrun_opts, *opts.script])
     given = {o.split("=", 1)[0] for o in opts.torchrun_opts if o.startswith("-")}
-    others = sorted(given - IN_PROCESS_ALLOWED)
+    allowed = IN_PROCESS_ALLOWED | (MULTI_NODE_ALLOWED if multi_node(opts) else set())
+    others = sorted(given - allowed)
     if others:
         parser.error(
-            f"{', '.join(others)}: --in-process runs on one machine only (simulated nodes "
-            "included); run multi-machine jobs without --in-process"
+            f"{', '.join(others)}: not with --in-process, which takes --nnodes, "
+            "--node-rank and --rdzv-endpoint (the `unbroken coordinator`) across machines"
         )
     nodes = opts.ours.simulate_nodes
-    if targs.nnodes not in ("1", "1:1") and not (nodes and targs.nnodes == str(nodes)):
-        parser.error(f"--nnodes={targs.nnodes}: --in-process runs on one machine only")
+    one = targs.nnodes in ("1", "1:1") or (nodes and targs.nnodes == str(nodes))
+    if not one and not multi_node(opts):
+        parser.error(
+            f"--nnodes={targs.nnodes}: a multi-node --in-process job needs "
+            "--rdzv-endpoint HOST:PORT of an `unbroken coordinator`"
+        )
+    if multi_node(opts) and not str(targs.nnodes).split(":")[-1].isdigit():
+        parser.error(f"--nnodes={targs.nnodes}: --in-process needs a fixed node count")
     if opts.nproc_per_node is None:
         parser.error("--in-process needs --nproc-per-node as a number")
     if opts.ours.warm_spare and not opts.ours.in_process:

@@ -61,6 +61,10 @@ def main(argv: list[str]) -> int:
         from unbroken.run.supervisor import Supervisor
 
         targs = args.check_in_process(opts)
+        if args.multi_node(opts):
+            from unbroken.run.agent import NodeAgent
+
+            return drive(opts, lambda d: NodeAgent(opts, targs, d), "the workers")
         return drive(opts, lambda d: Supervisor(opts, targs, d), "the workers")
     from unbroken.run.launch import RestartAll
 

@@ -33,6 +33,15 @@ SPARE_PREFIX = "unbroken/spare-"  # +<id>: a warm spare's keys, below
 SPARE_READY = "ready"  # <spare key>/ready: the spare imported torch and waits
 SPARE_ASSIGN = "assign"  # <spare key>/assign: JSON {env, argv, module}: become this rank
 
+# -- the coordinator's store (multi-node in-process: `unbroken.run.coordinator`) --------
+
+JOB_KEY = "unbroken/job"  # JSON {nnodes, nproc_per_node}: the first agent sets it
+SLOT_PREFIX = "unbroken/slot-"  # +<node>/owner: the agent id holding node slot <node>
+AGENT_PREFIX = "unbroken/agent-"  # +<id>/beat: a counter the agent bumps, its heartbeat
+DONE_SUFFIX = "done"  # <slot key>/done: the node's ranks all finished training
+SPAWN_KEY = "spawn"  # unbroken/gen-<g>/spawn-<agent id>: JSON ranks to start for g
+SETTLED_KEY = "settled"  # unbroken/gen-<g>/settled-<agent id>: JSON ranks the node lost
+
 # -- files in the heartbeat directory ---------------------------------------------------
 
 HEARTBEAT_PREFIX = "rank-"  # rank-<rank>: one fixed-width heartbeat line, rewritten
@@ -56,6 +65,18 @@ def fired_file(index: int) -> str:
 
 def kill_node_file(node: int) -> str:
     return f"{KILL_NODE_PREFIX}{node}"
+
+
+def slot_key(node: int, what: str) -> str:
+    return f"{SLOT_PREFIX}{node}/{what}"
+
+
+def agent_beat_key(agent: str) -> str:
+    return f"{AGENT_PREFIX}{agent}/beat"
+
+
+def generation_key(generation: int, what: str, agent: str) -> str:
+    return f"{GENERATION_PREFIX}{generation}/{what}-{agent}"
 
 
 def worker_env(heartbeat_dir: str, faults: str) -> dict[str, str]:

@@ -38,6 +38,36 @@ from unbroken.run.timeline import Timeline
 from unbroken.run.watch import Stale, Watch
 
 AFTER_KILL = "torchrun restarts the workers"  # what follows a watchdog kill
+# A lost node's agent leaves the c10d rendezvous once it misses this many keep-alives at
+# this interval (seconds): 2 x 1 s instead of torch's default 3 x 5 s, which left the
+# surviving agents waiting ~13 s for the dead one before they could re-rendezvous.
+KEEP_ALIVE = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
+
+
+def with_keep_alive(opts: list[str]) -> list[str]:
+    """torchrun options with `KEEP_ALIVE` merged into ``--rdzv-conf`` (the user's own
+    values win), for a job across machines (``--nnodes`` other than 1)."""
+    out, conf, i = [], "", 0
+    nnodes = "1"
+    while i < len(opts):
+        name, eq, value = opts[i].partition("=")
+        takes = not eq and i + 1 < len(opts)
+        if name.replace("_", "-") in ("--rdzv-conf", "--nnodes"):
+            value = value if eq else (opts[i + 1] if takes else "")
+            i += 1 if eq else 2
+            if name.replace("_", "-") == "--nnodes":
+                nnodes = value
+                out.append(f"--nnodes={value}")
+            else:
+                conf = value
+            continue
+        out.append(opts[i])
+        i += 1
+    if nnodes.split(":")[-1] in ("1", ""):
+        return opts
+    given = dict(kv.split("=", 1) for kv in conf.split(",") if "=" in kv)
+    merged = {**KEEP_ALIVE, **given}
+    return [*out, "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in merged.items())]
 
 
 @dataclass
@@ -79,8 +109,9 @@ class RestartAll:
         return contract.worker_env(self.dir, ";".join(str(f) for f in self.opts.faults))
 
     def start(self) -> None:
-        base = [sys.executable, "-m", "torch.distributed.run", *self.opts.torchrun_opts]
         nodes = self.opts.ours.simulate_nodes
+        torchrun = self.opts.torchrun_opts if nodes else with_keep_alive(self.opts.torchrun_opts)
+        base = [sys.executable, "-m", "torch.distributed.run", *torchrun]
         if nodes is None:
             self.agents = [Agent(None, [*base, *self.opts.script], self.env())]
         else:
@@ -108,9 +139,7 @@ class RestartAll:
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{self.store.port}",
                 f"--rdzv-id={job}",
-                # A killed node's agent leaves the rendezvous once it misses its
-                # keep-alives: 2 x 1 s instead of torch's default 3 x 5 s.
-                "--rdzv-conf=is_host=false,keep_alive_interval=1,keep_alive_max_attempt=2",
+                "--rdzv-conf=is_host=false," + ",".join(f"{k}={v}" for k, v in KEEP_ALIVE.items()),
                 # c10d rendezvous orders nodes by address: one loopback address per
                 # node keeps node i at group rank i, replacement included.
                 f"--local-addr=127.0.{100 + i}.1",

@@ -20,8 +20,9 @@ is killed does not take the spares with it.
 
 The heartbeat watchdog, event reading and kill-node requests are the shared `Watch`;
 this module supplies its hooks. Scope: one machine (simulated nodes included); the
-training script must call `unbroken.run.in_process`. Multi-machine jobs run without
-``--in-process``, under torchrun.
+training script must call `unbroken.run.in_process`. Across machines, one node agent per
+node (`unbroken.run.agent`, a subclass) does this for its own ranks, and an ``unbroken
+coordinator`` (`unbroken.run.coordinator`) hosts the store and decides the generations.
 """
 
 from __future__ import annotations

@@ -1,0 +1,191 @@
+"""Scenarios (f) and (g) of bench/recovery.py: a multi-node ``unbroken run --in-process``
+job, as on a cluster: an ``unbroken coordinator``, one node agent per node (each its own
+process tree with its own shared-memory directory, on loopback), and a standby node agent
+started without ``--node-rank`` (with warm spares) that claims the lost node's slot, as a
+replacement pod would.
+
+The fault is the node's own ``kill-node`` fault: its agent SIGKILLs itself, its ranks and
+spares, and deletes its shared memory. Its moment is when this script sees the agent
+dead (polled every 10 ms; the agent acts within its 50 ms poll of the fault). Phase
+boundaries, each the last rank to pass it: detect (-> a healthy rank aborted its groups:
+the coordinator's node timeout), restart (-> the coordinator started the next
+generation, the standby agent holding the slot), then as in the other scenarios."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from recovery_jobs import WORKER, JobFailed, failed, read_events, worker_args
+from recovery_scenarios import PHASES, RecoveryConfig, Scenario
+
+NODE_TIMEOUT_S = 1.0
+JOB_TIMEOUT_S = 300.0
+
+
+def start_coordinator(where: Path) -> tuple[subprocess.Popen[str], int]:
+    cmd = [sys.executable, "-m", "unbroken", "coordinator", "--host=127.0.0.1", "--port=0",
+           f"--node-timeout={NODE_TIMEOUT_S:g}", "--exit-when-done"]  # fmt: skip
+    with open(where / "coordinator.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        raise JobFailed(f"the coordinator did not start: {line!r}")
+    return proc, int(line.rsplit(":", 1)[1])
+
+
+def run_multinode_scenario(cfg: RecoveryConfig, sc: Scenario) -> dict[str, Any]:
+    """Scenario ``sc`` (f or g): its result, as `recovery_jobs.run_scenario` gives it."""
+    where = Path(cfg.dir) / sc.key
+    (where / "events").mkdir(parents=True)
+    started = time.monotonic()
+    try:
+        run = run_multinode(cfg, sc, where)
+        result = analyse_multinode(cfg, sc, where / "events", run)
+    except JobFailed as e:
+        result = failed(sc, e, {})
+    result["job_wall_s"] = round(time.monotonic() - started, 2)
+    shutil.rmtree(where, ignore_errors=True)
+    return result
+
+
+def run_multinode(cfg: RecoveryConfig, sc: Scenario, where: Path) -> dict[str, Any]:
+    """Run the job; the launcher-side events (absolute times) and the fault's moment."""
+    job = f"bench-{uuid.uuid4().hex[:8]}"
+    shm = Path(f"/dev/shm/unbroken-{job}")
+    coordinator, port = start_coordinator(where)
+    agents: list[subprocess.Popen[bytes]] = []
+
+    def agent(node: int | None) -> None:
+        i = len(agents)
+        cmd = [
+            sys.executable, "-m", "unbroken", "run", *sc.launcher, f"--nnodes={cfg.nodes}",
+            f"--nproc-per-node={cfg.nproc_per_node}",
+            *([] if node is None else [f"--node-rank={node}"]),
+            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--max-restarts=2",
+            f"--heartbeat-timeout={cfg.heartbeat_timeout:g}", f"--inject-fault={sc.fault}",
+            f"--timeline-json={where / f'agent-{i}.json'}", str(WORKER),
+            *worker_args(cfg, sc, where),
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_MEMORY_DIR": str(shm / str(i))}
+        with open(where / f"agent-{i}.log", "w") as log:
+            agents.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+
+    try:
+        for node in range(cfg.nodes):
+            agent(node)
+        # The standby node, started once the others hold their slots: it waits for one.
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not all(
+            "node agent" in (where / f"agent-{i}.log").read_text() for i in range(cfg.nodes)
+        ):
+            if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
+                raise JobFailed("the node agents did not start", tail(where))
+            time.sleep(0.1)
+        agent(None)
+        fault_t = wait(agents, time.monotonic() + JOB_TIMEOUT_S, where)
+        coordinator.wait(timeout=30)
+    finally:
+        procs: list[subprocess.Popen[Any]] = [*agents, coordinator]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(shm, ignore_errors=True)
+    events = []
+    for path in sorted(where.glob("agent-*.json")):
+        timeline = json.loads(path.read_text())
+        events += [e | {"t": e["t"] + timeline["t0"]} for e in timeline["events"]]
+    return {"fault_t": fault_t, "events": events}
+
+
+def wait(agents: list[subprocess.Popen[bytes]], deadline: float, where: Path) -> float:
+    """Wait for the job's end; when the first agent died (wall clock)."""
+    fault_t = None
+    while any(a.poll() is None for a in agents):
+        if fault_t is None and any(a.poll() is not None for a in agents):
+            fault_t = time.time()
+        if time.monotonic() > deadline:
+            raise JobFailed(f"timed out after {JOB_TIMEOUT_S:g} s", tail(where))
+        time.sleep(0.01)
+    codes = sorted(a.returncode for a in agents)
+    if fault_t is None or codes.count(0) != len(agents) - 1:
+        raise JobFailed(f"agents exited {codes}, expected one SIGKILL and 0s", tail(where))
+    return fault_t
+
+
+def tail(where: Path) -> str:
+    return "\n".join(
+        f"{p.name}: {line}" for p in sorted(where.glob("*.log"))
+        for line in p.read_text(errors="replace").splitlines()[-8:]
+    )  # fmt: skip
+
+
+def analyse_multinode(cfg: RecoveryConfig, sc: Scenario, out: Path, run: dict[str, Any]) -> dict:
+    """Phases and totals of the one recovery, from the agents' timelines and the workers'
+    events, as `recovery_jobs.analyse` gives them for the one-machine scenarios."""
+    fault = run["fault_t"]
+    tl = [e for e in run["events"] if e["t"] > fault]
+    mine = [e for e in read_events(out) if e["t"] > fault]
+
+    def last(name: str, source: list[dict[str, Any]]) -> float:
+        times = [e["t"] for e in source if e["event"] == name]
+        if not times:
+            raise JobFailed(f"no {name!r} event after the fault")
+        return float(max(times))
+
+    ends = [e for e in mine if e["event"] == "restore_end"]
+    restored = {e["restored"] for e in ends}
+    if len(ends) != cfg.ranks or len(restored) != 1:
+        raise JobFailed(f"{len(ends)} ranks restored, steps {sorted(map(str, restored))}")
+    (restored_step,) = restored
+    firsts: dict[int, float] = {}
+    for e in sorted(mine, key=lambda e: e["t"]):
+        if e["event"] == "step_done":
+            firsts.setdefault(e["rank"], e["t"])
+    bounds = [
+        fault,
+        min(e["t"] for e in tl if e["event"] in ("abort", "peer_failure")),
+        last("generation", tl),
+        last("init_start", tl),
+        last("init_done", tl),
+        last("restore_start", mine),
+        last("restore_end", mine),
+        max(firsts.values()),
+    ]
+    steps = zip(PHASES, pairwise(bounds), strict=True)
+    phases = {key: round(b - a, 3) for (key, _), (a, b) in steps}
+    back = max(e["t"] for e in mine if e["event"] == "step_done" and e["step"] == cfg.fault_step)
+    spawned = [e for e in tl if e["event"] in ("respawn", "spawn") and e.get("generation", 0) > 0]
+    return {
+        "short": sc.short,
+        "label": sc.label,
+        "fault": sc.fault,
+        "fault_step": cfg.fault_step,
+        "detected_by": "coordinator node timeout",
+        "memory_every": sc.memory_every,
+        "replicas": sc.replicas,
+        "in_process": True,
+        "launcher_options": list(sc.launcher),
+        "node_timeout_s": NODE_TIMEOUT_S,
+        "processes_restarted": len(spawned),
+        "warm_spares_used": sum(1 for e in spawned if e.get("spare")),
+        "phases_s": phases,
+        "total_s": round(bounds[-1] - fault, 3),
+        "back_at_fault_step_s": round(back - fault, 3),
+        "restored_step": restored_step,
+        "restored_from": "+".join(sorted({str(e["source"]) for e in ends})),
+        "lost_steps": cfg.fault_step - restored_step,
+        "cold_cache_resident": None,
+        "step_s": None,
+        "snapshot_s": None,
+    }

@@ -1,0 +1,333 @@
+"""The node agent of a multi-node ``unbroken run --in-process`` job: one per node, started
+the way torchrun is started on each node, all pointed at one ``unbroken coordinator``
+(`unbroken.run.coordinator`), whose TCPStore every agent and worker uses.
+
+    unbroken run --in-process --nnodes 2 --nproc-per-node 2 [--node-rank N] \\
+        --rdzv-endpoint HOST:PORT --rdzv-id JOB train.py ...
+
+The agent claims node slot N (``--node-rank``), or without it the first free slot, as a
+replacement machine would: its ranks take the numbers of the node it replaces. It beats
+a counter in the store (the coordinator's node-loss detector), spawns its local ranks
+when the coordinator says so, and watches them with the same `Watch` as the one-machine
+supervisor (heartbeats, exit codes, kill-node faults). When a local rank fails it sets
+``unbroken/abort-<g>`` at once (every healthy rank on every node aborts its groups), then
+says which of its ranks it lost (``settled``); after a hang, it first gives its ranks
+`PROBE_S` to answer the abort and kills the silent ones. When the coordinator starts the
+next generation, the agent restarts only the ranks it is told to (warm spares if asked);
+the healthy ranks go on in their processes (`unbroken.run.in_process`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+from unbroken.run import contract
+from unbroken.run.args import RunOptions
+from unbroken.run.procs import descendants, kill_tree
+from unbroken.run.spare import Spares
+from unbroken.run.supervisor import Supervisor
+from unbroken.run.timeline import say
+from unbroken.run.watch import Stale
+
+BEAT_S = 0.2  # the agent's heartbeat to the coordinator
+CLAIM_WAIT_S = 600.0  # how long an agent waits for a node slot to be free
+# After a hang, how long ranks have to answer the abort before they are judged hung: more
+# than on one machine, since the abort reaches them through the coordinator, and a rank
+# killed wrongly costs far more than the wait.
+PROBE_S = 3.0
+
+
+def endpoint(targs: argparse.Namespace) -> tuple[str, int]:
+    """The coordinator's address: ``--rdzv-endpoint``, else ``--master-addr/--master-port``."""
+    if targs.rdzv_endpoint:
+        host, _, port = targs.rdzv_endpoint.rpartition(":")
+        return (host or targs.rdzv_endpoint), int(port or 29400)
+    return targs.master_addr, int(targs.master_port or 29400)
+
+
+class NodeAgent(Supervisor):
+    """One node of a multi-node in-process job: the `Supervisor`'s workers, spares and
+    watch, restricted to this node's ranks, with the decisions left to the coordinator."""
+
+    def __init__(self, opts: RunOptions, targs: argparse.Namespace, heartbeat_dir: str) -> None:
+        super().__init__(opts, targs, heartbeat_dir)
+        self.nodes = int(str(targs.nnodes).split(":")[-1])
+        self.world = self.nodes * self.local
+        self.host, self.port = endpoint(targs)
+        given = any(o.split("=")[0] in ("--node-rank", "--node_rank") for o in opts.torchrun_opts)
+        self.wanted: int | None = int(targs.node_rank) if given else None
+        self.slot = -1
+        self.id = uuid.uuid4().hex[:12]
+        self.generation = -1  # the last generation this agent started ranks for
+        self.seen_abort = -1  # the last generation whose abort this agent handled
+        self.dead: set[int] = set()  # local ranks lost in the running generation
+        self.memory_dir = os.environ.get(contract.MEMORY_DIR_ENV) or contract.DEFAULT_MEMORY_ROOT
+        self.stopped = threading.Event()  # ends the beat thread
+        self.beater: threading.Thread | None = None
+
+    # -- start: join the job, claim a slot
+
+    def base_env(self) -> dict[str, str]:
+        env = super().base_env()
+        env["MASTER_ADDR"], env["MASTER_PORT"] = self.host, str(self.port)
+        return env
+
+    def rank_env(self, rank: int, generation: int) -> dict[str, str]:
+        env = super().rank_env(rank, generation)
+        env[contract.NODE_ENV] = str(self.slot)
+        env[contract.MEMORY_DIR_ENV] = self.memory_dir
+        env["GROUP_RANK"] = str(self.slot)
+        return env
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        where = f"{self.host}:{self.port}"
+        try:
+            self.store = dist.TCPStore(
+                self.host,
+                self.port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=60),
+            )
+        except Exception as e:
+            raise SystemExit(
+                f"unbroken run: cannot reach the coordinator at {where} ({e}); start "
+                f"`unbroken coordinator --port {self.port}` there first"
+            ) from None
+        self._join_job()
+        if self.opts.ours.warm_spare:
+            # Ready before the slot is: an agent without --node-rank is a standby or a
+            # replacement node, whose ranks all start at once: one spare for each.
+            self.spares = Spares(self.store, self.base_env)
+            for _ in range(self.local if self.wanted is None else 1):
+                self.spares.start()
+        self.slot = self._claim()
+        self.beater = threading.Thread(target=self._beat, name="unbroken-agent-beat")
+        self.beater.start()
+        self.timeline.add(
+            "launch",
+            f"node agent {self.id}: node {self.slot} of {self.nodes} ({self.local} rank(s) "
+            f"each), coordinator {where}, heartbeat timeout {self.timeout:g} s",
+            node=self.slot,
+        )
+
+    def _join_job(self) -> None:
+        job = json.dumps({"nnodes": self.nodes, "nproc_per_node": self.local})
+        have = self.store.compare_set(contract.JOB_KEY, "", job).decode()
+        if json.loads(have) != json.loads(job):
+            raise SystemExit(
+                f"unbroken run: the coordinator at {self.host}:{self.port} runs a job of "
+                f"{have}, this agent was started for {job}: use the same --nnodes and "
+                "--nproc-per-node on every node (or another coordinator)"
+            )
+
+    def _claim(self) -> int:
+        """Claim ``--node-rank``'s slot, or the first free one; wait while none is free
+        (a replacement may start before its predecessor is declared lost)."""
+        slots = range(self.nodes) if self.wanted is None else [self.wanted]
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        said = False
+        done = [contract.slot_key(s, contract.DONE_SUFFIX) for s in range(self.nodes)]
+        while time.monotonic() < deadline:
+            if self.store.check(done):
+                say("the job finished while this agent waited for a node slot")
+                raise SystemExit(0)
+            for slot in slots:
+                key = contract.slot_key(slot, "owner")
+                if self.store.compare_set(key, "", self.id).decode() == self.id:
+                    return slot
+            if not said:
+                say(f"node slot(s) {list(slots)} taken: waiting for one to be free")
+                said = True
+            time.sleep(0.1)
+        raise SystemExit(f"unbroken run: no node slot of {list(slots)} came free in time")
+
+    def _beat(self) -> None:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False)
+        while not self.stopped.wait(BEAT_S):
+            try:
+                store.add(contract.agent_beat_key(self.id), 1)
+            except Exception:
+                return  # the coordinator is gone: poll() finds out
+        del store
+
+    # -- the drive loop's calls
+
+    def poll(self) -> bool:
+        if self.stopping:
+            return bool(self.live_pids())
+        try:
+            return self._poll()
+        except (RuntimeError, OSError) as e:  # the store: the coordinator is gone
+            self.give_up(f"lost the coordinator at {self.host}:{self.port} ({e})")
+            return bool(self.live_pids())
+
+    def _poll(self) -> bool:
+        owner = self.store.get(contract.slot_key(self.slot, "owner")).decode()
+        if owner != self.id:
+            self.give_up(f"the coordinator gave node slot {self.slot} to another agent")
+            return True
+        self._follow()
+        self.check_workers()
+        self._handle_abort()
+        self.replenish()
+        if self.workers and all(w.done for w in self.workers.values()):
+            self._stop_beating()  # before the coordinator may exit: no beat into a void
+            self.store.set(contract.slot_key(self.slot, contract.DONE_SUFFIX), self.id)
+            return False
+        return True
+
+    def _follow(self) -> None:
+        """Start the ranks the coordinator asks for once it starts a new generation."""
+        g = int(self.store.add(contract.GENERATION_KEY, 0))
+        key = contract.generation_key(g, contract.SPAWN_KEY, self.id)
+        if g <= self.generation or not self.store.check([key]):
+            return
+        if g > self.opts.max_restarts:
+            self.give_up(
+                f"generation {g}: the {self.opts.max_restarts} recoveries that "
+                "--max-restarts allows are used up"
+            )
+            return
+        ranks = json.loads(self.store.get(key))
+        self.generation, self.generation_t = g, time.time()
+        self.dead -= set(ranks)
+        if g:
+            self.timeline.add(
+                "generation", f"generation {g}: starting ranks {ranks}", generation=g, ranks=ranks
+            )
+        for rank in ranks:
+            self.spawn(rank, g)
+        if self.dead:  # lost after this agent settled: the new generation fails at once
+            self._abort(sorted(self.dead), hang=False)
+
+    def _handle_abort(self) -> None:
+        g = self.generation
+        if g < 0 or self.seen_abort >= g:
+            return
+        key = f"{contract.ABORT_KEY}-{g}"
+        if not self.store.check([key]):
+            return
+        if json.loads(self.store.get(key)).get("hang") and self.probing is None:
+            self.probing = (g, time.monotonic() + PROBE_S)
+        if self.probing is not None:
+            self.probe()
+            if self.probing is not None:
+                return
+        self.seen_abort = g
+        self._settle()
+
+    def _settle(self) -> None:
+        key = contract.generation_key(self.generation, contract.SETTLED_KEY, self.id)
+        self.store.set(key, json.dumps(sorted(self.dead)))
+
+    # -- the Supervisor's recovery, per node
+
+    def recover(self, ranks: list[int]) -> None:
+        ranks = [r for r in ranks if r not in self.dead]
+        if not ranks:
+            return
+        finished = [w.rank for w in self.workers.values() if w.done]
+        if finished:
+            self.give_up(
+                f"ranks {ranks} failed after ranks {finished} finished: they cannot "
+                "be replaced in-process; run again without --in-process"
+            )
+            return
+        self.dead |= set(ranks)
+        if self.seen_abort >= self.generation:
+            self._settle()  # lost during a recovery: say so again
+        else:
+            self._abort(ranks, hang=False)
+
+    def probe(self) -> None:
+        """`Supervisor.probe`, without starting a generation: the coordinator does."""
+        if self.probing is None:
+            return
+        generation, deadline = self.probing
+        answered = set(self.reached("peer_failure", generation))
+        answered |= set(self.reached("init_failed", generation))
+        live = {w.rank: w for w in self.workers.values() if w.proc and w.proc.poll() is None}
+        silent = sorted(set(live) - answered - {w.rank for w in self.workers.values() if w.done})
+        if silent and time.monotonic() < deadline:
+            return
+        self.probing = None
+        self.watch.hold_off()
+        for rank in silent:
+            proc = live[rank].proc
+            assert proc is not None
+            self.timeline.add(
+                "hung",
+                f"rank {rank} (pid {proc.pid}) did not answer the abort: "
+                "SIGKILL; it is replaced alone",
+                rank=rank,
+                pid=proc.pid,
+            )
+            kill_tree(proc.pid)
+            proc.wait()
+            self.watch.ignore(proc.pid)
+            self.watch.saw_exit(proc.pid)
+            self.dead.add(rank)
+
+    def on_hang(self, stale: list[Stale], now: float) -> None:
+        ranks = sorted(s.rank for s in stale)
+        self.timeline.add(
+            "hang_detected",
+            f"ranks {ranks} made no progress: aborting "
+            f"generation {self.generation} to find the hung one(s)",
+            ranks=ranks,
+        )
+        self._abort([], hang=True)
+        self.watch.hold_off()
+
+    def _abort(self, ranks: list[int], hang: bool) -> None:
+        reason = json.dumps({"failed": ranks, "node": self.slot, "hang": hang})
+        self.store.compare_set(f"{contract.ABORT_KEY}-{self.generation}", "", reason)
+
+    def kill_node(self, node: int) -> None:
+        """A kill-node fault for this node: it dies as a machine does, agent, ranks,
+        spares and its shared memory (if it has a directory of its own) at once."""
+        self.timeline.add("node_kill_requested", f"killing node {node}: this agent", node=node)
+        if os.environ.get(contract.MEMORY_DIR_ENV):
+            shutil.rmtree(self.memory_dir, ignore_errors=True)
+        for pid in descendants(os.getpid()):
+            kill_tree(pid)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def replenish(self) -> None:
+        owed = self.spares is not None and self.spares.owed > 0
+        if (
+            owed
+            and self.workers
+            and all(w.generation <= self.generation for w in self.workers.values())
+        ):
+            mine = {w.rank for w in self.workers.values()}
+            if set(self.reached("first_step", self.generation)) >= mine:
+                assert self.spares is not None
+                self.spares.replenish()
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        self._stop_beating()
+
+    def _stop_beating(self) -> None:
+        self.stopped.set()
+        if self.beater is not None:
+            self.beater.join()
+
+    def since(self, beat: float, attempt: int) -> float:
+        if attempt >= self.generation:
+            return beat
+        return max(beat, self.generation_t + self.timeout)

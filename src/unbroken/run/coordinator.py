@@ -1,0 +1,197 @@
+"""``unbroken coordinator``: the store and the referee of a multi-node in-process job.
+
+    unbroken coordinator --port 29400          # on a machine that is not a training node
+    unbroken run --in-process --nnodes 2 --nproc-per-node 8 \\
+        --rdzv-endpoint coordinator:29400 --rdzv-id job-1 train.py   # on every node
+
+Why a coordinator outside the training nodes, rather than a store that moves when its
+host dies: every worker and node agent already talks to one TCPStore (generation, abort
+keys, process-group rendezvous), and a store that migrates needs a consensus between the
+survivors about where it went, at the very moment one of them is gone. A small process
+that holds no training state (a few keys, no tensors), restarted by Kubernetes like any
+Deployment, is simpler and sound: losing any training node, the one holding rank 0
+included, loses nothing the coordinator holds. It plays the part HyperPod's operator
+plays. What it cannot survive is its own loss: then the workers' `in_process` raises
+`InProcessError` and the job restarts (plain ``unbroken run`` semantics).
+
+What it decides, and nothing else (the node agents, `unbroken.run.agent`, do the rest):
+
+* node slots: an agent claims slot ``n`` (its node rank) with a compare-and-set on
+  ``unbroken/slot-<n>/owner``; ranks ``n*L .. n*L+L-1`` are that slot's;
+* node loss: each agent bumps a counter of its own every `unbroken.run.agent.BEAT_S`; a
+  slot whose counter has not moved for ``--node-timeout`` is lost: the coordinator aborts
+  the running generation and frees the slot for a replacement agent;
+* generations: generation 0 starts once every slot has an agent; after an abort of
+  generation g, generation g+1 starts once every slot again has a live agent and every
+  agent of g still alive has said which of its ranks it lost (``settled``). Each agent is
+  told which ranks to start (``spawn``): the ones it lost, or all of a new node's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+from unbroken.run import contract
+
+POLL_S = 0.02
+NODE_TIMEOUT_S = 2.0
+
+
+def log(message: str) -> None:
+    print(f"unbroken coordinator: {message}", file=sys.stderr, flush=True)
+
+
+class Coordinator:
+    """The coordinator's state over its own ``store`` (it is the store's master)."""
+
+    def __init__(self, store: Any, node_timeout: float = NODE_TIMEOUT_S) -> None:
+        self.store = store
+        self.node_timeout = node_timeout
+        self.nnodes = 0
+        self.local = 0
+        self.generation = 0
+        self.started = False
+        self.members: dict[int, str] = {}  # slot -> agent of the running generation
+        self.beats: dict[str, tuple[int, float]] = {}  # agent -> (counter, when it moved)
+        self.aborted = False
+
+    def poll(self) -> bool:
+        """One look; False once every node reported its ranks done."""
+        if not self.nnodes:
+            if not self.store.check([contract.JOB_KEY]):
+                return True
+            job = json.loads(self.store.get(contract.JOB_KEY))
+            self.nnodes, self.local = int(job["nnodes"]), int(job["nproc_per_node"])
+            log(f"job: {self.nnodes} node(s) x {self.local} rank(s)")
+        done = [self._key(s, contract.DONE_SUFFIX) for s in range(self.nnodes)]
+        if self.store.check(done):
+            log("every node finished")
+            return False
+        owners = self._owners()
+        if not self.started:
+            if len(owners) == self.nnodes:
+                self._start(owners, {})
+            return True
+        if not self.aborted:
+            self.aborted = self.store.check([self._abort_key()])
+        if self.aborted and len(owners) == self.nnodes and self._settled(owners):
+            self._next(owners)
+        return True
+
+    def _key(self, slot: int, what: str) -> str:
+        return contract.slot_key(slot, what)
+
+    def _abort_key(self) -> str:
+        return f"{contract.ABORT_KEY}-{self.generation}"
+
+    def _owners(self) -> dict[int, str]:
+        """The slots held by a live agent; frees (and reports) those whose agent is gone."""
+        owners: dict[int, str] = {}
+        now = time.monotonic()
+        for slot in range(self.nnodes):
+            key = self._key(slot, "owner")
+            if not self.store.check([key]) or self.store.check([self._key(slot, "done")]):
+                continue
+            agent = self.store.get(key).decode()
+            count = int(self.store.add(contract.agent_beat_key(agent), 0))
+            last = self.beats.get(agent)
+            if last is None or last[0] != count:
+                self.beats[agent] = (count, now)
+            elif now - last[1] > self.node_timeout:
+                self._lose(slot, agent, now - last[1])
+                continue
+            owners[slot] = agent
+        return owners
+
+    def _lose(self, slot: int, agent: str, idle: float) -> None:
+        log(f"node {slot} (agent {agent}) silent for {idle:.1f} s: lost; slot {slot} is free")
+        self.store.delete_key(self._key(slot, "owner"))
+        self.beats.pop(agent, None)
+        if self.started:
+            failed = list(range(slot * self.local, (slot + 1) * self.local))
+            reason = {"failed": failed, "node": slot, "hang": False}
+            self.store.compare_set(self._abort_key(), "", json.dumps(reason))
+
+    def _settled(self, owners: dict[int, str]) -> bool:
+        keys = [
+            contract.generation_key(self.generation, contract.SETTLED_KEY, agent)
+            for slot, agent in owners.items()
+            if self.members.get(slot) == agent
+        ]
+        return self.store.check(keys) if keys else True
+
+    def _start(self, owners: dict[int, str], lost: dict[int, list[int]]) -> None:
+        """Tell each agent which ranks to start in the current generation."""
+        for slot, agent in owners.items():
+            mine = list(range(slot * self.local, (slot + 1) * self.local))
+            ranks = lost[slot] if self.members.get(slot) == agent else mine
+            key = contract.generation_key(self.generation, contract.SPAWN_KEY, agent)
+            self.store.set(key, json.dumps(ranks))
+        self.members = dict(owners)
+        self.started = True
+        self.aborted = False
+
+    def _next(self, owners: dict[int, str]) -> None:
+        lost: dict[int, list[int]] = {}
+        for slot, agent in owners.items():
+            if self.members.get(slot) == agent:
+                key = contract.generation_key(self.generation, contract.SETTLED_KEY, agent)
+                lost[slot] = json.loads(self.store.get(key))
+        self.generation += 1
+        self._start(owners, lost)
+        new = sorted(s for s, a in owners.items() if s not in lost)
+        self.store.add(contract.GENERATION_KEY, 1)
+        log(
+            f"generation {self.generation}: ranks {sorted(r for v in lost.values() for r in v)} "
+            f"restarted on their nodes, node(s) {new} joined"
+        )
+
+
+def serve(host: str, port: int, node_timeout: float, exit_when_done: bool) -> int:
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    store.add(contract.GENERATION_KEY, 0)
+    print(f"unbroken coordinator: listening on {host}:{store.port}", flush=True)
+    coordinator = Coordinator(store, node_timeout)
+    while coordinator.poll() or not exit_when_done:
+        time.sleep(POLL_S)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="unbroken coordinator",
+        description="The store of a multi-node `unbroken run --in-process` job: run it "
+        "where no training node's loss takes it away (a Kubernetes Deployment), and point "
+        "every node's --rdzv-endpoint at it.",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    p.add_argument("--port", type=int, default=29400, help="TCP port (0: any free one)")
+    p.add_argument(
+        "--node-timeout",
+        type=float,
+        default=NODE_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"a node agent silent this long is lost (default {NODE_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--exit-when-done",
+        action="store_true",
+        help="exit once every node finished (default: serve until stopped)",
+    )
+    a = p.parse_args(argv)
+    if a.node_timeout <= 0:
+        p.error("--node-timeout must be positive")
+    return serve(a.host, a.port, a.node_timeout, a.exit_when_done)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
