@@ -121,10 +121,11 @@ def test_in_process_example_replaces_only_the_killed_rank(tmp_path):
         args=[f"--dir={tmp_path / 'ckpt'}", "--steps=10", "--save-every=5"],
     )
     [recovery] = timeline["recoveries"]
-    assert (recovery["fault"], recovery["respawned"], recovery["first_step"]) == (fault, [1], 7)
-    assert recovery["steps_redone"] == 1
+    # The kill lands once step 7 is held (ckpt.step): healed from live state, nothing redone.
+    assert (recovery["fault"], recovery["respawned"], recovery["first_step"]) == (fault, [1], 8)
+    assert recovery["steps_redone"] == 0
     for rank in (0, 1):
-        assert f"rank {rank}: resumed from step 6" in out
+        assert f"rank {rank}: resumed from step 7 (live)" in out
         assert f"rank {rank}: finished at step 10" in out
 
 

@@ -316,18 +316,20 @@ class Checkpointer:
 
     def step(self, step: int, state: Mapping[str, Any]) -> None:
         """Declare ``state`` complete at ``step``: call it after each optimizer step,
-        before the step's next collective. Cheap, no storage IO and no waiting: it keeps
-        a small record of what data-parallel replicas do not share (`Progress`,
-        `RNGState`, schedulers, plain values; not modules or optimizers) in this process
-        and on a peer on another node (one point-to-point round trip). After a failure, `restore`
-        then heals from live replicas (see `unbroken.healing`): healthy ranks keep their
-        state, replacements get it from them, and at most the step in flight is lost.
-        Every rank calls it for the same steps."""
+        before the step's next collective. Cheap, no storage IO: it keeps a small record
+        of what data-parallel replicas do not share (`Progress`, `RNGState`, schedulers,
+        plain values; not modules or optimizers) in this process and on a peer on another
+        node, in one point-to-point round trip, so that when it returns the peer holds the
+        step. After a failure, `restore` then heals from live replicas (see
+        `unbroken.healing`): healthy ranks keep their state, replacements get it from
+        them, and at most the step in flight is lost. Every rank calls it for the same
+        steps. Its heartbeat (`unbroken.run.tick`) comes once the peer holds the step."""
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
         self._stepper.exchange(self._stepper.record(step, state, self._memory))
+        worker.tick(step)
 
     # -- restore ---------------------------------------------------------------------
 
