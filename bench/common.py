@@ -173,9 +173,12 @@ def resident(path: str) -> tuple[int, int]:
 
 
 def files(root: str) -> Iterator[str]:
+    """The regular files under ``root`` (a server's sockets and fifos left out)."""
     for parent, _, names in os.walk(root):
         for name in names:
-            yield os.path.join(parent, name)
+            path = os.path.join(parent, name)
+            if os.path.isfile(path):
+                yield path
 
 
 def evict(root: str) -> float:

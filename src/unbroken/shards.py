@@ -180,7 +180,7 @@ def read_many(
             if verify:
                 _verify(folder, key, chunk, view)
 
-    with ThreadPoolExecutor(max(1, threads)) as pool:
+    with ThreadPoolExecutor(max(1, threads, storage.requests_in_flight)) as pool:
         for done in pool.map(run, jobs):
             del done
 
@@ -257,13 +257,18 @@ def fill_regions(storage: Storage, folder: str, targets: Sequence[Target], threa
             )
 
     def run(group: list[_Span]) -> None:
-        data = bytearray(group[-1].end - group[0].start)
-        view = memoryview(data)
-        _read(storage, folder, group[0].key, group[0].chunk.file, group[0].start, view)
+        first = group[0]
+        direct = _direct(first) if len(group) == 1 else None
+        if direct is not None:  # its bytes are exactly the destination's: no copy
+            _read(storage, folder, first.key, first.chunk.file, first.start, direct)
+            _check(folder, first, direct)
+            return
+        view = memoryview(bytearray(group[-1].end - first.start))
+        _read(storage, folder, first.key, first.chunk.file, first.start, view)
         for span in group:
-            _place(folder, span, view[span.start - group[0].start : span.end - group[0].start])
+            _place(folder, span, view[span.start - first.start : span.end - first.start])
 
-    with ThreadPoolExecutor(max(1, threads)) as pool:
+    with ThreadPoolExecutor(max(1, threads, storage.requests_in_flight)) as pool:
         for done in pool.map(run, _groups(spans)):
             del done
 
@@ -309,9 +314,45 @@ def _groups(spans: list[_Span]) -> list[list[_Span]]:
     return groups
 
 
+def _direct(span: _Span) -> memoryview | None:
+    """The destination's bytes for ``span``, if they are contiguous and the span's bytes
+    are exactly theirs (a whole block, or whole pieces of rows): read straight into them."""
+    dst = _narrowed(span)
+    nbytes = dst.numel() * dst.element_size()
+    if not dst.is_contiguous() or dst.device.type != "cpu" or nbytes != span.hi - span.lo:
+        return None
+    strides = _strides(span.chunk.shape)
+    first = sum(
+        (lo - o) * s for (lo, _), o, s in zip(span.region, span.chunk.offsets, strides, strict=True)
+    )
+    return byte_view(dst) if first * dst.element_size() == span.lo else None
+
+
+def _narrowed(span: _Span) -> torch.Tensor:
+    dst = span.dest
+    for dim, (lo, hi) in enumerate(span.region):
+        dst = dst.narrow(dim, lo - span.offsets[dim], hi - lo)
+    return dst
+
+
 def _place(folder: str, span: _Span, data: memoryview) -> None:
     """Check ``data`` (the span's bytes) against its checksums, then copy the overlap
     into the destination."""
+    _check(folder, span, data)
+    chunk = span.chunk
+    dtype = span.entry.torch_dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    flat = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
+    strides = _strides(chunk.shape)
+    first = sum(
+        (lo - o) * s for (lo, _), o, s in zip(span.region, chunk.offsets, strides, strict=True)
+    )
+    src = flat.as_strided([hi - lo for lo, hi in span.region], strides, first - span.lo // size)
+    _narrowed(span).copy_(src)
+
+
+def _check(folder: str, span: _Span, data: memoryview) -> None:
+    """Check ``data`` (the span's bytes) against the chunk's checksums."""
     chunk, where = span.chunk, f"{folder}: tensor {span.key!r} in {span.chunk.file}"
     if chunk.pieces is None or chunk.piece_bytes is None:
         verify_block(data, chunk.xxh3, f"{where} (bytes {chunk.start}-{chunk.end})", _DAMAGED)
@@ -323,18 +364,6 @@ def _place(folder: str, span: _Span, data: memoryview) -> None:
             block = f"the block at {chunk.start}-{chunk.end}"
             what = f"{where} (bytes {lo}-{hi}, piece {index} of {block})"
             verify_block(data[at : at + piece], chunk.pieces[index], what, _DAMAGED)
-    dtype = span.entry.torch_dtype
-    size = torch.empty((), dtype=dtype).element_size()
-    flat = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
-    strides = _strides(chunk.shape)
-    first = sum(
-        (lo - o) * s for (lo, _), o, s in zip(span.region, chunk.offsets, strides, strict=True)
-    )
-    src = flat.as_strided([hi - lo for lo, hi in span.region], strides, first - span.lo // size)
-    dst = span.dest
-    for dim, (lo, hi) in enumerate(span.region):
-        dst = dst.narrow(dim, lo - span.offsets[dim], hi - lo)
-    dst.copy_(src)
 
 
 def overlap(

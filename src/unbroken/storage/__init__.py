@@ -16,6 +16,13 @@ from unbroken.errors import CheckpointError
 class Storage(Protocol):
     """Where checkpoints live. Only `commit` makes anything visible to readers."""
 
+    @property
+    def requests_in_flight(self) -> int:
+        """How many requests this backend serves best at once: a reader of many blocks
+        keeps at least this many in flight (an object store's connection pool; 1 for a
+        disk, whose readers use their own thread count)."""
+        ...
+
     def write(self, path: str, parts: Sequence[memoryview | bytes]) -> None:
         """Write ``parts`` back to back as ``path``; durable when this returns."""
         ...

@@ -11,6 +11,8 @@ from unbroken.errors import CheckpointError
 
 
 class FsspecStorage:
+    requests_in_flight = 1
+
     def __init__(self, url: str, options: dict[str, Any]) -> None:
         try:
             import fsspec

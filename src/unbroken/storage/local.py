@@ -13,6 +13,8 @@ from unbroken.errors import CheckpointError
 
 
 class LocalStorage:
+    requests_in_flight = 1
+
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         if os.path.exists(self.root) and not os.path.isdir(self.root):

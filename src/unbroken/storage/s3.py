@@ -210,6 +210,10 @@ class S3Storage:
         with self._request("GET", path):
             return bytes(obstore.get(self.store, path).bytes())
 
+    @property
+    def requests_in_flight(self) -> int:
+        return self.options.concurrency
+
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         view = out.cast("B")
         piece = self.options.part_size
