@@ -198,9 +198,10 @@ def loop(
             log("step_done", step=step)  # a restarted process: when it is back where it was
         elif len(step_s) == 1:
             log("loss", step=step, loss=loss.item())
-        run.tick(step)  # heartbeat, and the injected fault, after the step completes
-        if args.live and hasattr(ckpt, "step"):
-            ckpt.step(step, state)  # live healing: the per-step copy a replacement heals from
+        if args.live:  # the per-step record a replacement heals from, then the heartbeat
+            ckpt.step(step, state)
+        else:
+            run.tick(step)  # heartbeat, and the injected fault, after the step completes
         if memory and step % args.memory_every == 0:
             started = time.perf_counter()
             ckpt.snapshot(step, state)
