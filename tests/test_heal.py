@@ -174,3 +174,30 @@ def test_records_travel_whole_whatever_their_size():
     from ranks import run_ranks
 
     assert run_ranks(_exchange_job, timeout=50) == [[0, 10, 65528, 65529, 300000]] * 2
+
+
+def test_a_model_wrapped_part_by_part_counts_as_data_parallel_once_every_part_ran():
+    from ranks import run_ranks
+
+    assert run_ranks(_parts_job, world=1, timeout=60) == [[False, False, True, True]]
+
+
+def _parts_job(rank: int, world: int) -> list[bool]:
+    """A model whose two parts are each their own DDP, and a step that uses only one of
+    them: the tracker counts the model as data-parallel (healable) only once both ran."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from unbroken.buckets import Tracker
+
+    tracker = Tracker()
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    state = {"model": model}
+    parts = {k: DistributedDataParallel(m) for k, m in model.items()}
+    seen = [tracker.covered(state)]
+    parts["a"](torch.ones(1, 4)).sum().backward()
+    tracker.settle(state)
+    seen.append(tracker.covered(state))
+    parts["b"](torch.ones(1, 4)).sum().backward()
+    tracker.settle(state)  # every part seen: stops watching
+    seen += [tracker.covered(state), tracker._handle is None]
+    return seen

@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 log = logging.getLogger("unbroken")
 
 Layout = list[list[int]]  # reducer parameter indices, bucket by bucket
+WATCH_STEPS = 64  # steps to watch for wrappers of parts of a model that a step may skip
 
 
 class Tracker:
@@ -41,8 +42,9 @@ class Tracker:
     `restore` (the usual order: restore, then wrap), and gives each the layout it is
     owed before its first iteration.
 
-    Until `stop` (the first `step`, `snapshot` or `save`: one iteration has run by
-    then) a global forward pre-hook watches every module call for a DDP wrapper's."""
+    Until `settle` sees every module of the state wrapped (a whole model after one
+    iteration; one wrapped part by part once each part has run) a global forward pre-hook
+    watches every module call for a DDP wrapper's."""
 
     def __init__(self) -> None:
         self._seen: list[weakref.ref[DistributedDataParallel]] = []
@@ -50,6 +52,7 @@ class Tracker:
         self._known: weakref.WeakKeyDictionary[DistributedDataParallel, Layout] = (
             weakref.WeakKeyDictionary()
         )
+        self._settles = 0
         self._handle: RemovableHandle | None = nn.modules.module.register_module_forward_pre_hook(
             self._hook
         )
@@ -98,9 +101,23 @@ class Tracker:
                 found[name] = known
         return found
 
-    def settle(self) -> None:
-        """Stop watching unless a layout is still owed to a wrapper not yet run."""
-        if not self._owed:
+    def covered(self, state: Mapping[str, Any]) -> bool:
+        """Whether every parameter of ``state``'s modules is in a DDP wrapper seen so far:
+        a model wrapped whole, or part by part (each part its own wrapper)."""
+        seen = [w for w in (ref() for ref in self._seen) if w is not None]
+        wrapped = {id(p) for w in seen for p in w.module.parameters()}
+        modules = [v for v in state.values() if isinstance(v, nn.Module)]
+        return bool(modules) and all(
+            isinstance(m, DistributedDataParallel) or all(id(p) in wrapped for p in m.parameters())
+            for m in modules
+        )
+
+    def settle(self, state: Mapping[str, Any]) -> None:
+        """Stop watching once no layout is owed and every module of ``state`` is seen
+        wrapped (parts used only every few steps take a few steps), or after
+        `WATCH_STEPS` calls."""
+        self._settles += 1
+        if not self._owed and (self.covered(state) or self._settles >= WATCH_STEPS):
             self.stop()
 
     def stop(self) -> None:

@@ -11,8 +11,6 @@ import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from torch import nn
-
 from unbroken import buckets, healing, records
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
@@ -38,9 +36,7 @@ class Stepper:
     def record(self, step: int, state: Mapping[str, Any], memory: MemoryTier | None) -> Record:
         """Make and keep this rank's record of ``step`` (the caller sends it on)."""
         layouts = self.observe(state, memory)
-        wrapped = self.tracker.wrappers(state)
-        modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
-        data_parallel = bool(modules) and all(k in wrapped for k in modules)
+        data_parallel = self.tracker.covered(state)
         record = Record.make(
             step, self.comm.rank, state, layouts=layouts, data_parallel=data_parallel
         )
@@ -70,7 +66,7 @@ class Stepper:
         """The DDP layouts of ``state``'s wrappers, noted in shared memory when new
         (restart-all finds them there); stops watching for new wrappers."""
         layouts = self.tracker.layouts(state)
-        self.tracker.settle()
+        self.tracker.settle(state)
         if layouts and layouts != self._noted and memory is not None:
             path = os.path.join(memory.dir, LAYOUTS_FILE)
             with open(f"{path}.tmp", "w") as f:
