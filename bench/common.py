@@ -173,12 +173,9 @@ def resident(path: str) -> tuple[int, int]:
 
 
 def files(root: str) -> Iterator[str]:
-    """The regular files under ``root`` (a server's sockets and fifos left out)."""
     for parent, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(parent, name)
-            if os.path.isfile(path):
-                yield path
+        paths = (os.path.join(parent, name) for name in names)
+        yield from (p for p in paths if os.path.isfile(p))  # not a server's sockets
 
 
 def evict(root: str) -> float:
