@@ -164,9 +164,8 @@ def analyse_multinode(cfg: RecoveryConfig, sc: Scenario, out: Path, run: dict[st
     ]
     steps = zip(PHASES, pairwise(bounds), strict=True)
     phases = {key: round(b - a, 3) for (key, _), (a, b) in steps}
-    after = [e for e in mine if e["event"] == "step_done" and e["step"] >= cfg.fault_step]
-    # every rank past the fault step again (healed at it: its next step)
-    back = max(min(e["t"] for e in after if e["rank"] == rank) for rank in firsts)
+    past = [e for e in mine if e["event"] == "step_done" and e["step"] >= cfg.fault_step]
+    back = max(min(e["t"] for e in past if e["rank"] == rank) for rank in firsts)
     spawned = [e for e in tl if e["event"] in ("respawn", "spawn") and e.get("generation", 0) > 0]
     return {
         "short": sc.short,
