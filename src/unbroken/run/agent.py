@@ -268,16 +268,8 @@ class NodeAgent(Supervisor):
         for rank in silent:
             proc = live[rank].proc
             assert proc is not None
-            self.timeline.add(
-                "hung",
-                f"rank {rank} (pid {proc.pid}) did not answer the abort: "
-                "SIGKILL; it is replaced alone",
-                rank=rank,
-                pid=proc.pid,
-            )
-            kill_tree(proc.pid)
+            self.kill_hung(rank, proc, "it is replaced alone")
             proc.wait()
-            self.watch.ignore(proc.pid)
             self.watch.saw_exit(proc.pid)
             self.dead.add(rank)
 

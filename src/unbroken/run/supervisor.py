@@ -287,16 +287,20 @@ class Supervisor:
         for rank in silent:
             proc = live[rank].proc
             assert proc is not None
-            self.timeline.add(
-                "hung",
-                f"rank {rank} (pid {proc.pid}) did not answer the abort: SIGKILL, {AFTER_KILL}",
-                rank=rank,
-                pid=proc.pid,
-            )
-            kill_tree(proc.pid)
-            self.watch.ignore(proc.pid)
+            self.kill_hung(rank, proc, AFTER_KILL)
         if not silent:
             self.recover([])
+
+    def kill_hung(self, rank: int, proc: subprocess.Popen[bytes], after: str) -> None:
+        """SIGKILL ``rank``'s process, which did not answer an abort, and say so."""
+        self.timeline.add(
+            "hung",
+            f"rank {rank} (pid {proc.pid}) did not answer the abort: SIGKILL, {after}",
+            rank=rank,
+            pid=proc.pid,
+        )
+        kill_tree(proc.pid)
+        self.watch.ignore(proc.pid)
 
     def replenish(self) -> None:
         """Once every rank completed a step in the new generation, replace the spares
