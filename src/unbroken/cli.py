@@ -1,4 +1,4 @@
-"""The `unbroken` command: ls, show, verify, export, convert, demo, run.
+"""The `unbroken` command: ls, show, verify, export, convert, tokenise, demo, run.
 
 Exit codes (also in ``unbroken --help`` and the README): 0 ok, 1 damage found, 2 usage or
 input error. ``--json`` output (ls, show, verify) is built by `unbroken.cli_json`.
@@ -25,6 +25,7 @@ from rich.progress import (
 from rich.table import Table
 
 from unbroken import cli_json
+from unbroken.data import command as tokenise
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Manifest
@@ -132,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
         "(it can run any code it holds; only for checkpoints you trust)"
     )  # fmt: skip
     conv.add_argument("--force", action="store_true", help="--to dcp: replace DST's checkpoint")
+    tokenise.add_parser(sub, EXIT_CODES)
     sub.add_parser("demo", help="train, kill and resume a small GPT under torchrun (30-40 s)")
     sub.add_parser("run", help="torchrun with restarts, hang detection and fault injection")
     sub.add_parser("coordinator", help="the store of a multi-node `run --in-process` job")

@@ -141,7 +141,10 @@ class ResumableSampler(Sampler[list[int]]):
                     f"has {live!r}: the dataset or the sampler changed since the checkpoint; "
                     "restore with the same data, or start a new run"
                 )
-        self.epoch, self.position = int(state_dict["epoch"]), int(state_dict["position"])
+        # On fewer or more ranks, what is left of the epoch may be short of a global batch.
+        self.epoch, self.position = self._normal(
+            int(state_dict["epoch"]), int(state_dict["position"])
+        )
 
 
 _ATTRS = {"samples": "num_samples", "seed": "seed", "shuffle": "shuffle"}
