@@ -17,48 +17,19 @@ import torch
 from rich.console import Console
 
 from unbroken.cli import main as cli
+from unbroken.data import ByteTokenizer, TokenDataset
 from unbroken.demo import report, run
-from unbroken.demo.model import CharVocab, GPTConfig, ShardedBatches, TinyGPT, load_corpus
+from unbroken.demo.model import GPTConfig, TinyGPT, load_corpus, tokenise_corpus
 from unbroken.run.procs import alive
 
 
-def test_corpus_ships_with_the_package_and_round_trips() -> None:
+def test_corpus_ships_with_the_package_and_tokenises_to_bytes(tmp_path: Path) -> None:
     text = load_corpus()
     assert 5_000 < len(text.encode()) < 200_000
-    vocab = CharVocab(text)
-    ids = vocab.encode(text)
-    assert ids.dtype == torch.long and int(ids.max()) == len(vocab) - 1
-    assert vocab.decode(ids) == text
-
-
-def _batches(rank: int, world: int = 2) -> ShardedBatches:
-    return ShardedBatches(
-        torch.arange(2000), block_size=8, batch_size=4, rank=rank, world=world, seed=7
-    )
-
-
-def test_ranks_read_disjoint_windows_and_targets_are_shifted() -> None:
-    a, b = _batches(0), _batches(1)
-    for _ in range(a.batches_per_epoch):
-        (xa, ya), (xb, _) = a.next(), b.next()
-        assert torch.equal(xa[:, 1:], ya[:, :-1])
-        assert not set(xa[:, 0].tolist()) & set(xb[:, 0].tolist())
-    assert (a.epoch, a.batch) == (0, a.batches_per_epoch)
-    a.next()  # rolls over into a new epoch, in a different order
-    assert (a.epoch, a.batch) == (1, 1)
-
-
-def test_data_position_resumes_at_the_next_batch() -> None:
-    reference = _batches(1)
-    for _ in range(40):  # past an epoch boundary
-        reference.next()
-    saved = reference.state_dict()
-    expected = [reference.next() for _ in range(30)]
-
-    resumed = _batches(1)
-    resumed.load_state_dict(saved)
-    for want, got in zip(expected, (resumed.next() for _ in range(30)), strict=True):
-        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    path = tokenise_corpus(tmp_path / "corpus.tokens")
+    dataset = TokenDataset(path, seq_len=GPTConfig(vocab_size=257).block_size)
+    assert dataset.tokens == len(text.encode()) + 1  # the bytes, then end of document
+    assert ByteTokenizer().decode(torch.cat([dataset[i][:-1] for i in range(3)])) == text[:192]
 
 
 def test_tiny_gpt_starts_near_uniform_and_dropout_draws_from_the_global_rng() -> None:

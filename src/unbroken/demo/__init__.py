@@ -2,7 +2,8 @@
 resumed from its last checkpoint, with a bitwise comparison against an uninterrupted run.
 
 `run` drives the demo (``unbroken.demo.run.main``), `train` is one rank of the job and
-`model` holds the model, the corpus and the resumable data position.
+`model` holds the model and the corpus, which `unbroken.data` tokenises, memory-maps
+and reads in a resumable order.
 """
 
 # Prefix of the machine-readable lines that train.py prints and run.py parses. It lives

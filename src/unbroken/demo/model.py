@@ -1,4 +1,4 @@
-"""A tiny character-level GPT and the data it trains on.
+"""A tiny byte-level GPT and the text it trains on.
 
 Everything here is deterministic given a seed, and small enough to train for a few dozen
 steps on two CPU cores in about a second: the point of the demo is exact resumption, not
@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from unbroken.data import tokenise
 
 
 def load_corpus() -> str:
@@ -22,21 +24,11 @@ def load_corpus() -> str:
     return (resources.files("unbroken.demo") / "corpus.txt").read_text(encoding="utf-8")
 
 
-class CharVocab:
-    """Maps each distinct character of a text to an id (sorted, so ids are stable)."""
-
-    def __init__(self, text: str) -> None:
-        self.chars = sorted(set(text))
-        self._ids = {c: i for i, c in enumerate(self.chars)}
-
-    def __len__(self) -> int:
-        return len(self.chars)
-
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.tensor([self._ids[c] for c in text], dtype=torch.long)
-
-    def decode(self, ids: torch.Tensor) -> str:
-        return "".join(self.chars[i] for i in ids.tolist())
+def tokenise_corpus(out: Path) -> Path:
+    """Tokenise the shipped corpus (UTF-8 bytes, `unbroken.data.ByteTokenizer`) into the
+    token file ``out``, which every rank then memory-maps."""
+    with resources.as_file(resources.files("unbroken.demo") / "corpus.txt") as text:
+        return tokenise([text], out).path
 
 
 @dataclass(frozen=True)
@@ -112,58 +104,3 @@ class TinyGPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         logits = self.head(self.ln_f(self.blocks(x)))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-class ShardedBatches:
-    """Random windows of a token stream, split between ranks like ``DistributedSampler``.
-
-    Each epoch is a fixed permutation of window start positions (seeded by ``seed`` and
-    the epoch, never by the global RNG). Global batch ``i`` of an epoch is cut into
-    ``world`` slices and rank ``r`` takes slice ``r``, so ranks never see the same window
-    in an epoch. The position (epoch, batch) is the whole state: saving it with
-    ``state_dict`` and loading it on resume picks up at the very next batch.
-    """
-
-    def __init__(
-        self,
-        tokens: torch.Tensor,
-        *,
-        block_size: int,
-        batch_size: int,
-        rank: int,
-        world: int,
-        seed: int,
-        stride: int = 16,
-    ) -> None:
-        self.tokens = tokens
-        self.block_size = block_size
-        self.batch_size = batch_size
-        self.rank = rank
-        self.world = world
-        self.seed = seed
-        self.starts = torch.arange(0, len(tokens) - block_size - 1, stride)
-        self.batches_per_epoch = len(self.starts) // (batch_size * world)
-        if self.batches_per_epoch == 0:
-            raise ValueError(f"{len(tokens)} tokens are too few for one global batch")
-        self.epoch = 0
-        self.batch = 0
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's ``(inputs, targets)`` for the next batch; advances the position."""
-        if self.batch == self.batches_per_epoch:
-            self.epoch, self.batch = self.epoch + 1, 0
-        order = torch.randperm(
-            len(self.starts), generator=torch.Generator().manual_seed(self.seed + self.epoch)
-        )
-        first = (self.batch * self.world + self.rank) * self.batch_size
-        starts = self.starts[order[first : first + self.batch_size]]
-        windows = torch.stack([self.tokens[s : s + self.block_size + 1] for s in starts.tolist()])
-        self.batch += 1
-        return windows[:, :-1], windows[:, 1:]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batch": self.batch}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.epoch = int(state_dict["epoch"])
-        self.batch = int(state_dict["batch"])

@@ -26,7 +26,9 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from unbroken.data.files import sidecar
 from unbroken.demo import EVENT_PREFIX
+from unbroken.demo.model import tokenise_corpus
 from unbroken.demo.report import (
     VERDICT_DIFFERENT,
     VERDICT_EQUAL,
@@ -41,6 +43,7 @@ from unbroken.run.procs import kill_tree
 LAUNCH_TIMEOUT_S = 120.0  # one launch takes ~10 s; past this it is hung
 EXPECTED_TIME = "30-40 s on 2 CPU cores"  # measured: 30-37 s for the three launches
 TIMELINE = "timeline.json"
+TOKENS = "corpus.tokens"  # the tokenised corpus, with its sidecar TOKENS.json
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -109,6 +112,7 @@ def _demo(console: Console, args: argparse.Namespace, root: Path) -> int:
         f"checkpoints in {escape(str(root))}\n"
     )
     launches: dict[str, Launch] = {}
+    tokenise_corpus(root / TOKENS)  # once: every launch memory-maps it
     try:
         ref = launches["uninterrupted"] = _run(console, "uninterrupted run", ref_dir, args)
         if not _check(console, ref, "the uninterrupted run"):
@@ -165,7 +169,8 @@ def _keep_or_clean(console: Console, root: Path, created: bool, clean: bool) -> 
     if clean:
         for name in ("uninterrupted", "killed"):
             shutil.rmtree(root / name, ignore_errors=True)
-        (root / TIMELINE).unlink(missing_ok=True)
+        for name in (TIMELINE, TOKENS, sidecar(TOKENS).name):
+            (root / name).unlink(missing_ok=True)
         if created and not any(root.iterdir()):
             root.rmdir()
         console.print(f"\n--clean: deleted what the demo wrote in {escape(str(root))}")
@@ -173,7 +178,8 @@ def _keep_or_clean(console: Console, root: Path, created: bool, clean: bool) -> 
     d = escape(str(root))
     console.print(
         f"\nKept in [bold]{d}[/]: the checkpoints of both runs (killed/ holds the killed and "
-        f"resumed run's) and the recovery timeline ({TIMELINE}). Try:\n"
+        f"resumed run's), the tokenised corpus ({TOKENS}) and the recovery timeline "
+        f"({TIMELINE}). Try:\n"
         f"  unbroken ls {d}\n"
         f"  unbroken verify {d}/killed --all\n"
         f"  unbroken show {d}/killed\n"
@@ -197,6 +203,7 @@ def _torchrun(ckpt_dir: Path, args: argparse.Namespace) -> list[str]:
         "-m",
         "unbroken.demo.train",
         f"--dir={ckpt_dir}",
+        f"--data={ckpt_dir.parent / TOKENS}",
         f"--steps={args.steps}",
         f"--save-every={args.save_every}",
         f"--seed={args.seed}",

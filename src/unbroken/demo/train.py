@@ -1,11 +1,13 @@
 """One rank of the demo's training job. Launched by torchrun, never directly::
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 \\
-        -m unbroken.demo.train --dir CKPT_DIR --steps 60 --save-every 10
+        -m unbroken.demo.train --dir CKPT_DIR --data TOKENS --steps 60 --save-every 10
 
 It restores the newest committed checkpoint in ``--dir`` (if any), trains to ``--steps``
-and saves every ``--save-every`` steps. Rank 0 reports progress as ``@demo {json}`` lines
-on stdout, which `unbroken.demo.run` reads.
+and saves every ``--save-every`` steps. The data is the token file ``--data``, memory-mapped
+(`unbroken.data.TokenDataset`), read by DataLoader workers in the order of a
+`unbroken.data.ResumableSampler`; its position is part of every checkpoint. Rank 0
+reports progress as ``@demo {json}`` lines on stdout, which `unbroken.demo.run` reads.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -21,10 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 import unbroken
+from unbroken.data import ByteTokenizer, ResumableLoader, ResumableSampler, TokenDataset
 from unbroken.demo import EVENT_PREFIX
-from unbroken.demo.model import CharVocab, GPTConfig, ShardedBatches, TinyGPT, load_corpus
+from unbroken.demo.model import GPTConfig, TinyGPT
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -38,6 +43,8 @@ def emit(event: str, **fields: Any) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="unbroken.demo.train")
     p.add_argument("--dir", required=True, help="checkpoint directory")
+    p.add_argument("--data", required=True, help="token file (unbroken tokenise)")
+    p.add_argument("--workers", type=int, default=1, help="DataLoader worker processes")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
@@ -62,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    text = load_corpus()
-    vocab = CharVocab(text)
-    cfg = GPTConfig(vocab_size=len(vocab))
+    cfg = GPTConfig(vocab_size=ByteTokenizer.vocab_size)
 
     # Same seed everywhere for the initial weights; a per-rank seed afterwards so the
     # ranks draw different dropout masks (RNGState saves each rank's own streams).
@@ -74,14 +79,7 @@ def train(args: argparse.Namespace) -> None:
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(
         optim, T_max=args.steps, eta_min=args.lr / 10
     )
-    data = ShardedBatches(
-        vocab.encode(text),
-        block_size=cfg.block_size,
-        batch_size=args.batch_size,
-        rank=rank,
-        world=world,
-        seed=args.seed,
-    )
+    data = _loader(args, cfg.block_size)
     _seed_all(args.seed + 1 + rank)
     progress = unbroken.Progress(step=0)
     state: dict[str, Any] = {
@@ -101,8 +99,10 @@ def train(args: argparse.Namespace) -> None:
         if rank == 0:
             emit("start", restored=restored, world=world)
         model.train()
+        batches = _forever(data)  # made after the restore: it starts at the saved position
         while progress.step < args.steps:
-            inputs, targets = data.next()
+            tokens = next(batches)
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
             loss = model(inputs, targets)
             optim.zero_grad(set_to_none=True)
             loss.backward()
@@ -120,6 +120,30 @@ def train(args: argparse.Namespace) -> None:
         ckpt.close()
     if rank == 0:
         emit("done", step=progress.step)
+
+
+def _loader(args: argparse.Namespace, block_size: int) -> ResumableLoader:
+    """This rank's batches: windows of the memory-mapped token file, in an order that is
+    shuffled per epoch from the seed and split between the ranks. The loader's state
+    counts the batches the loop received, not those its workers fetched ahead."""
+    dataset = TokenDataset([args.data], seq_len=block_size)
+    sampler = ResumableSampler(dataset, args.batch_size, seed=args.seed)
+    # A generator of its own: otherwise each new DataLoader iterator (each epoch, and
+    # after a restore) draws its workers' seed from torch's global RNG, whose stream the
+    # dropout masks of a resumed run must share with the uninterrupted run.
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    return ResumableLoader(loader)
+
+
+def _forever(loader: ResumableLoader) -> Iterator[torch.Tensor]:
+    while True:  # one pass of the loader is the rest of an epoch
+        yield from loader
 
 
 def _seed_all(seed: int) -> None:
