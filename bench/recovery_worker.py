@@ -21,15 +21,20 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import unbroken
 from unbroken import run
+from unbroken.data import ResumableSampler, TokenDataset
+from unbroken.data.files import sidecar
+from unbroken.demo.model import tokenise_corpus
 from unbroken.run import contract
 
 EXPERTS = 8
@@ -100,10 +105,31 @@ class Parallel:
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The data depends on the step and rank only: a redone step sees the same batch."""
+    """Data that depends on the step and rank only (bench/recovery_torchft.py's; this
+    worker reads the token file of `data` instead)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(BATCH, IO, generator=g)
     return x, torch.tanh(x.flip(1))  # a fixed function to learn: the loss goes down
+
+
+def data(out: str) -> tuple[TokenDataset, ResumableSampler]:
+    """The shipped corpus, tokenised once per rank into ``out`` (a restarted process
+    re-attaches to the memory-mapped file), in the order of a ResumableSampler that is
+    checkpointed with the model: a redone step sees the same batch."""
+    path = os.path.join(out, f"tokens-{dist.get_rank()}.bin")
+    if not os.path.exists(sidecar(path)):
+        tokenise_corpus(Path(path))
+    # The corpus eight times over: enough samples for a global batch on 58 ranks.
+    dataset = TokenDataset([path] * 8, seq_len=IO)
+    return dataset, ResumableSampler(dataset, BATCH, seed=0)
+
+
+def batches(dataset: TokenDataset, sampler: ResumableSampler) -> Iterator[tuple[Tensor, Tensor]]:
+    """Token windows as features in [-1, 1), and the same fixed function to learn."""
+    while True:
+        for indices in sampler:
+            x = torch.stack([dataset[i][:IO] for i in indices]).float() / 128 - 1
+            yield x, torch.tanh(x.flip(1))
 
 
 def train(args: argparse.Namespace, log: Events, state: dict[str, Any]) -> None:
@@ -116,6 +142,7 @@ def train(args: argparse.Namespace, log: Events, state: dict[str, Any]) -> None:
         args.ckpt, memory=memory, replicas=args.replicas, keep=2, timeout=120
     )
     params = sum(p.numel() for p in model.parameters())
+    dataset, state["data"] = data(args.out)
     log("setup_done", state_mib=12 * params / MIB)
     restored = restore(args, log, ckpt, state)
     if restored is None:
@@ -123,7 +150,8 @@ def train(args: argparse.Namespace, log: Events, state: dict[str, Any]) -> None:
         for module in model.modules():
             if isinstance(module, nn.Linear):
                 module.reset_parameters()
-    loss = loop(args, log, ckpt, state, Parallel(model, sync=restored is None), restored)
+    net = Parallel(model, sync=restored is None)
+    loss = loop(args, log, ckpt, state, net, restored, batches(dataset, state["data"]))
     ckpt.close()
     log("done", step=state["progress"].step, loss=loss.item())
 
@@ -174,10 +202,10 @@ def loop(
     state: dict[str, Any],
     net: Parallel,
     restored: int | None,
+    feed: Iterator[tuple[Tensor, Tensor]],
 ) -> torch.Tensor:
     """Train up to --steps: a snapshot every --memory-every steps, a disk save every
     --save-every, the steady-state figures logged at each disk save; return the last loss."""
-    rank = dist.get_rank()
     optim, progress = state["optim"], state["progress"]
     memory = args.memory_every > 0
     step_s: list[float] = []  # since the last disk save
@@ -186,7 +214,7 @@ def loop(
     while progress.step < args.steps:
         step = progress.step + 1
         started = time.perf_counter()
-        x, y = batch(step, rank)
+        x, y = next(feed)
         loss = (net(x, step) - y).pow(2).mean()
         optim.zero_grad()
         loss.backward()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,7 @@ def _steps(loaders: list[ResumableLoader], steps: int) -> list[list[list[int]]]:
     return out
 
 
-def _forever(loader: ResumableLoader):  # type: ignore[no-untyped-def]
+def _forever(loader: ResumableLoader) -> Iterator[torch.Tensor]:
     while True:
         yield from loader
 

@@ -101,7 +101,7 @@ def checksum(tokens: np.ndarray) -> str:
     h = xxhash.xxh3_64()
     flat = tokens.reshape(-1).view(np.uint8)
     for start in range(0, len(flat), _HASH_CHUNK):
-        h.update(memoryview(flat[start : start + _HASH_CHUNK]))
+        h.update(flat[start : start + _HASH_CHUNK].data)
     return h.hexdigest()
 
 
@@ -119,7 +119,7 @@ def _read_sidecar(path: Path) -> dict[str, Any]:
     problem = _sidecar_problem(meta)
     if problem:
         raise DataFileError(f"{side}: bad sidecar: {problem}; tokenise again")
-    return meta  # type: ignore[no-any-return]
+    return meta
 
 
 def _sidecar_problem(meta: Any) -> str | None:
@@ -154,7 +154,7 @@ class TokenWriter:
         self.meta = meta
         self.count = 0
         self._hash = xxhash.xxh3_64()
-        self._limit = int(np.iinfo(DTYPES[dtype]).max)
+        self._limit = (1 << (8 * np.dtype(DTYPES[dtype]).itemsize)) - 1
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
         self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed in close())
 
@@ -166,9 +166,9 @@ class TokenWriter:
             raise DataFileError(
                 f"{self.path}: token id {bad} does not fit {self.dtype}; use dtype uint32"
             )
-        data = arr.astype(DTYPES[self.dtype], copy=False).reshape(-1)
-        self._hash.update(memoryview(data.view(np.uint8)))
-        self._file.write(memoryview(data.view(np.uint8)))
+        data = np.ascontiguousarray(arr.astype(DTYPES[self.dtype], copy=False).reshape(-1))
+        self._hash.update(data.data)
+        self._file.write(data.data)
         self.count += int(data.size)
 
     def close(self) -> None:

@@ -46,11 +46,11 @@ def as_tokenizer(tokenizer: Any) -> Tokenizer:
     if encode is None or isinstance(tokenizer, ByteTokenizer):
         if not callable(tokenizer):
             raise TypeError(f"{tokenizer!r} is neither callable nor has an encode method")
-        return tokenizer  # type: ignore[no-any-return]
+        return tokenizer
 
     def call(text: str) -> Sequence[int]:
         out = encode(text)
-        return getattr(out, "ids", out)  # type: ignore[no-any-return]
+        return getattr(out, "ids", out)
 
     return call
 
