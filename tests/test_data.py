@@ -255,6 +255,11 @@ def test_too_short_missing_or_damaged_sidecar(tmp_path: Path) -> None:
     with pytest.raises(DataFileError, match=rf"{path}: too short: 9 tokens.*seq_len \+ 1 = 10"):
         TokenDataset(path, 9)
     assert len(TokenDataset(path, 8)) == 1
+    saved = path.read_bytes()
+    path.unlink()
+    with pytest.raises(DataFileError, match=rf"{path}: no such token file \(its sidecar"):
+        TokenDataset(path, 8)
+    path.write_bytes(saved)
     sidecar(path).write_text('{"format": "unbroken.tokens", "version": 1, "dtype": "int8"}')
     with pytest.raises(DataFileError, match=r"t.bin.json: bad sidecar: dtype 'int8'"):
         TokenDataset(path, 8)

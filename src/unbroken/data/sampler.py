@@ -120,8 +120,11 @@ class ResumableSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         """Batches left in the current epoch (all of them at its start)."""
-        position = self._normal(self.epoch, self.position)[1]
-        return (self.num_samples - position) // self.global_batch
+        return self.remaining(self.epoch, self.position)
+
+    def remaining(self, epoch: int, position: int) -> int:
+        """Batches left in the epoch from ``(epoch, position)`` on."""
+        return (self.num_samples - self._normal(epoch, position)[1]) // self.global_batch
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -183,8 +186,8 @@ class ResumableLoader:
             yield batch
 
     def __len__(self) -> int:
-        self.sampler.epoch, self.sampler.position = self.epoch, self.position
-        return len(self.sampler)
+        """Batches left in the current epoch."""
+        return self.sampler.remaining(self.epoch, self.position)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.sampler.state_dict(), "epoch": self.epoch, "position": self.position}
