@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch.distributed as dist
+from numpy.random import PCG64, Generator
 from torch.utils.data import DataLoader, Sampler
 
 
@@ -86,7 +87,7 @@ class ResumableSampler(Sampler[list[int]]):
         """The permutation of sample indices that epoch ``epoch`` visits."""
         if self._order is None or self._order[0] != epoch:
             if self.shuffle:
-                rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+                rng = Generator(PCG64([self.seed, epoch]))
                 perm = rng.permutation(self.num_samples)
             else:
                 perm = np.arange(self.num_samples)
