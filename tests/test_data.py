@@ -7,7 +7,10 @@ processes prefetching ahead of the loop.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
+import os
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,6 +221,38 @@ def test_token_file_round_trips_and_pickles_without_its_tokens(tmp_path: Path) -
     assert torch.equal(pickle.loads(blob)[7], ds[7])
     with pytest.raises(IndexError):
         ds[len(ds)]
+
+
+def _resident(path: Path) -> float:
+    """The fraction of ``path``'s pages in the page cache (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        view = ctypes.c_char.from_buffer(m)  # a private mapping: nothing is written back
+        assert libc.mincore(ctypes.c_void_p(ctypes.addressof(view)), size, vec) == 0
+        del view
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_opening_and_sampling_reads_only_the_pages_sampled(tmp_path: Path) -> None:
+    path = tmp_path / "t.bin"
+    with TokenWriter(path, "uint16") as w:  # 64 MiB, fsynced: its pages can be evicted
+        w.append(np.arange(32 << 20, dtype=np.uint32) % 50_000)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if _resident(path) > 0.01:
+        pytest.skip("this file system keeps the file in memory (tmpfs?)")
+    ds = TokenDataset(path, 1024)
+    worker_copy = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker gets
+    assert _resident(path) == 0.0  # opening reads no token
+    assert ds[len(ds) // 2][0] == (len(ds) // 2 * 1024) % 50_000
+    assert worker_copy[7][0] == 7 * 1024
+    # Two samples of 2 KiB each, and the kernel's read-ahead around them (8 MiB on the
+    # VM this was written on), not the file.
+    assert _resident(path) < 0.5
 
 
 def _written(tmp_path: Path, n: int = 1000) -> Path:
