@@ -113,11 +113,12 @@ class ResumableSampler(Sampler[list[int]]):
             # The state moves on before the batch leaves: a StatefulDataLoader snapshots
             # it right after taking the batch, and a checkpoint taken after the step
             # that used this batch must resume at the next one.
-            self.epoch, self.position = self.advance(epoch, position)
+            after = self.advance(epoch, position)
+            self.epoch, self.position = after
             yield batch
-            if self.epoch != epoch:
+            if after[0] != epoch:
                 return
-            position = self.position
+            position = after[1]
 
     def __len__(self) -> int:
         """Batches left in the current epoch (all of them at its start)."""
