@@ -345,6 +345,9 @@ class Checkpointer:
                 )  # fmt: skip
                 healed = restoring.restore(context, state, step, strict, fallback)
         self.last_restore = healed
+        for bad in () if healed is None else healed.damaged:
+            if bad.kind == "storage":
+                self._collector.damaged(bad.step)
         self._rollback = None if healed is None else healed.step
         self._stepper.agree_layouts(state, self._memory)
         restored = None if self.last_restore is None else self.last_restore.step

@@ -24,10 +24,13 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 from unbroken.directory import Directory
+from unbroken.errors import CheckpointError
 from unbroken.format import step_dir
 from unbroken.retention import Info, KeepAny, KeepBest, KeepPerWindow, Retention, doomed
+from unbroken.sources import StorageSource
 
 log = logging.getLogger("unbroken")
 
@@ -43,9 +46,10 @@ class Collector:
         self._lock = threading.Lock()
         self._known: dict[int, Info] = {}
         self._paused = 0
+        self._damaged: set[int] = set()  # found damaged: never counted as the newest good
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="unbroken-gc") if active else None
-        self._opened: Future[None] | None = None
-        self._last: Future[None] | None = None
+        self._opened: Future[Any] | None = None
+        self._last: Future[Any] | None = None
         if self._thread is not None:
             self._opened = self._last = self._thread.submit(self._open)
 
@@ -85,22 +89,58 @@ class Collector:
         if self.rule is not None:
             self._last = self._thread.submit(self._collect)
 
+    def damaged(self, step: int) -> None:
+        """A restore found ``step`` damaged: retention keeps the newest step that is not."""
+        with self._lock:
+            self._damaged.add(step)
+
+    def collect(self) -> list[int]:
+        """Apply retention now, on the collector's thread, as a commit does; the steps it
+        deleted."""
+        if self._thread is None:
+            return []
+        future = self._thread.submit(self._collect)
+        self._last = future
+        return future.result()
+
     def forget(self, step: int) -> None:
         """``step`` was deleted by someone else than this thread (a rollback)."""
         with self._lock:
             self._known.pop(step, None)
 
-    def _collect(self) -> None:
-        with self._lock:
-            infos = [self._known[s] for s in sorted(self._known)]
-            victims = doomed(self.rule, infos)
+    def _collect(self) -> list[int]:
+        """Delete what retention lets go of the steps not known damaged, once the newest
+        of those, the one the others are deleted for, is whole (its manifest, and every
+        file at its size: a request per file of one step, never a listing)."""
+        while True:
+            with self._lock:
+                infos = [i for s, i in sorted(self._known.items()) if s not in self._damaged]
+                victims = doomed(self.rule, infos)
+            if not victims or self._whole(infos[-1].step):
+                break
+        deleted = []
         for step in victims:
             with self._lock:
                 if self._paused:
-                    return  # a restore is reading: tried again after the next save
+                    break  # a restore is reading: tried again after the next save
             log.info("%s: retention deletes step %d", self.directory, step)
             self.directory.delete(step)
             self.forget(step)
+            deleted.append(step)
+        return deleted
+
+    def _whole(self, step: int) -> bool:
+        source = StorageSource(self.directory, step)
+        try:
+            manifest = source.open()
+            source.check(manifest, set(manifest.files))
+            return True
+        except CheckpointError as e:
+            log.error(
+                "%s: step %d is damaged (%s); retention keeps older steps", self.directory, step, e
+            )
+            self.damaged(step)
+            return False
 
     def wait(self) -> None:
         """Until the deletions asked for so far are done (errors are logged, not raised:

@@ -48,7 +48,8 @@ class Trigger(Protocol):
     """When one kind of checkpoint is due. ``last_step``/``last_time`` are those of the
     last checkpoint of that kind (or of the first step seen, for the clock)."""
 
-    uses_clock: bool
+    @property
+    def uses_clock(self) -> bool: ...
 
     def due(self, step: int, now: float, last_step: int | None, last_time: float) -> bool: ...
 
@@ -130,11 +131,12 @@ class _Last:
 
 
 class SavePolicy(Protocol):
-    """What `Checkpointer.step` asks each step. ``decide`` is pure; ``done`` tells the
-    policy what was taken and what it cost (seconds the loop was blocked), and
-    ``stepped`` how long the step itself took."""
+    """What `Checkpointer.step` asks each step. ``decide`` looks at the step and the
+    clock only; ``done`` tells the policy what was taken and what it cost (the seconds
+    the loop was blocked). Neither does IO."""
 
-    uses_clock: bool
+    @property
+    def uses_clock(self) -> bool: ...
 
     def decide(self, step: int, now: float) -> Action: ...
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -86,7 +86,9 @@ def restore(
                 )
             return None
         try:
-            return _load(ctx, state, choice, strict)
+            restored = _load(ctx, state, choice, strict)
+            damaged = tuple(Origin(kind, s) for kind, s in sorted(rejected))  # type: ignore[arg-type]
+            return replace(restored, damaged=damaged)
         except CheckpointError as e:
             if not _damaged(ctx.comm, e) or step is not None or not fallback:
                 raise

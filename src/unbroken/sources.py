@@ -49,12 +49,14 @@ class Origin:
 
 @dataclass(frozen=True)
 class Restored:
-    """What a restore loaded: the step, and where each rank's state came from
-    (``origins[r]`` for rank r; the same on every rank)."""
+    """What a restore loaded: the step, where each rank's state came from
+    (``origins[r]`` for rank r; the same on every rank), and the copies it fell back
+    from."""
 
     step: int
     origins: tuple[Origin, ...]
     rank: int
+    damaged: tuple[Origin, ...] = ()  # newer copies passed over: they failed verification
 
     @property
     def origin(self) -> Origin:
