@@ -88,7 +88,7 @@ def choose(
 def fell_back(step: int, tier: str, reason: str) -> None:
     """Say loudly that ``step`` in ``tier`` is damaged and an older copy is tried, and
     record the event for `unbroken run`'s timeline."""
-    log.error("restore: %s; falling back to the newest older copy that verifies", reason)
+    log.error("restore: %s (falling back to the newest older copy that verifies)", reason)
     worker.event("fallback", step=step, tier=tier, reason=reason[:500])
 
 
