@@ -101,6 +101,7 @@ def test_a_damaged_newest_step_falls_back_to_the_newest_good_one(saved, events, 
     ckpt = Checkpointer(path)
     assert ckpt.restore(state) == 2
     assert _equal(_tensors(state), seen[2]) and state["p"].step == 2
+    assert ckpt.last_restore is not None
     assert [(o.kind, o.step) for o in ckpt.last_restore.damaged] == [("storage", 3)]
     assert "step 3 is damaged" in caplog.text and "falling back" in caplog.text
     assert str(_data(path, 3).name) in caplog.text or "missing" in caplog.text

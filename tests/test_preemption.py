@@ -24,7 +24,7 @@ GRACE_S = 10.0
 UNTIL = 80
 
 
-def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _model() -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -40,7 +40,8 @@ def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, rank: int, step:
 def _train(rank: int, world: int, root: str, signal_after: float | None) -> dict[str, Any]:
     torch.set_num_threads(1)
     model, optim = _model()
-    state = {"model": model, "optim": optim, "p": unbroken.Progress(step=0)}
+    progress = unbroken.Progress(step=0)
+    state = {"model": model, "optim": optim, "p": progress}
     policy = Policy(save=Every(seconds=0.1 + 0.05 * rank))  # rank 0's clock decides
     ckpt = Checkpointer(root, policy=policy, preemption=Preemption(grace_s=GRACE_S))
     start = ckpt.restore(state) or 0
@@ -56,7 +57,7 @@ def _train(rank: int, world: int, root: str, signal_after: float | None) -> dict
     try:
         for step in range(start + 1, UNTIL + 1):
             _step(model, optim, rank, step)
-            state["p"].step = step
+            progress.step = step
             time.sleep(0.01)
             ckpt.step(step, state)
     except Preempted as e:

@@ -216,3 +216,22 @@ def test_retention_never_deletes_the_last_good_checkpoint(keep, every, ops):
             assert not any(n.startswith("step-") and n not in map(step_dir, after)
                            for n in os.listdir(root)), "a failed save left files"  # fmt: skip
         ckpt.close()
+
+
+def test_gc_applies_the_same_rules_from_the_command_line(tmp_path, capsys):
+    from unbroken.cli import main
+
+    ckpt = Checkpointer(tmp_path)
+    for step in range(1, 11):
+        ckpt.save(step, {"w": torch.zeros(4)}, metric=abs(step - 3))  # best: step 3
+    ckpt.close()
+    args = ["gc", str(tmp_path), "--keep-last", "2", "--keep-every", "5", "--keep-best", "1"]
+    assert main([*args, "--dry-run"]) == 0
+    assert "keeping [3, 5, 9, 10]; would delete [1, 2, 4, 6, 7, 8]" in capsys.readouterr().out
+    assert Checkpointer(tmp_path).steps() == list(range(1, 11))
+    assert main(args) == 0
+    assert Checkpointer(tmp_path).steps() == [3, 5, 9, 10]
+    assert main(["gc", str(tmp_path), "--keep-per-window", "3650d"]) == 0  # one window
+    assert Checkpointer(tmp_path).steps() == [10]
+    assert main(["gc", str(tmp_path)]) == 2
+    assert "name what to keep" in capsys.readouterr().err

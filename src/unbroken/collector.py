@@ -61,17 +61,9 @@ class Collector:
         steps = self.directory.steps()
         infos = {s: Info(s) for s in steps}
         if _needs_info(self.rule):
-            infos = {s: self._read_info(s) for s in steps}
+            infos = {s: read_info(self.directory, s) for s in steps}
         with self._lock:
             self._known = {**infos, **self._known}
-
-    def _read_info(self, step: int) -> Info:
-        folder = self.directory.storage
-        try:
-            data = json.loads(folder.read(f"{step_dir(step)}/{INFO}"))
-            return Info(step, float(data["created"]), data.get("metric"))
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            return Info(step, self.directory.manifest(step).created)  # saved before info.json
 
     def known(self) -> list[int]:
         """Committed steps this job knows of, oldest first (after the opening listing)."""
@@ -168,6 +160,16 @@ class Collector:
         self.wait()
         if self._thread is not None:
             self._thread.shutdown(wait=True)
+
+
+def read_info(directory: Directory, step: int) -> Info:
+    """What retention knows of a committed ``step``: its info file, or its manifest's
+    time for a step saved before there were info files."""
+    try:
+        data = json.loads(directory.storage.read(f"{step_dir(step)}/{INFO}"))
+        return Info(step, float(data["created"]), data.get("metric"))
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return Info(step, directory.manifest(step).created)
 
 
 def _needs_info(rule: Retention | None) -> bool:
