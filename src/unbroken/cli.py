@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -133,13 +134,7 @@ def _parser() -> argparse.ArgumentParser:
         "(it can run any code it holds; only for checkpoints you trust)"
     )  # fmt: skip
     conv.add_argument("--force", action="store_true", help="--to dcp: replace DST's checkpoint")
-    gc = _command(sub, "gc", _gc, "delete the checkpoints retention lets go (what keep= does)")
-    gc.add_argument("--keep-last", type=int, help="the newest K steps")
-    gc.add_argument("--keep-every", type=int, help="every step that is a multiple of M")
-    gc.add_argument("--keep-per-window", help="the newest step of each window, e.g. 1d, 6h")
-    gc.add_argument("--keep-best", type=int, help="the K steps with the lowest metric")
-    gc.add_argument("--best-mode", choices=["min", "max"], default="min")
-    gc.add_argument("--dry-run", action="store_true", help="say what would go; delete nothing")
+    _gc_command(sub)
     sub.add_parser("demo", help="train, kill and resume a small GPT under torchrun (30-40 s)")
     sub.add_parser("run", help="torchrun with restarts, hang detection and fault injection")
     sub.add_parser("coordinator", help="the store of a multi-node `run --in-process` job")
@@ -165,6 +160,16 @@ def _json_flag(p: argparse.ArgumentParser) -> None:
 
 def _quiet_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+def _gc_command(sub: Any) -> None:
+    gc = _command(sub, "gc", _gc, "delete the checkpoints retention lets go (what keep= does)")
+    gc.add_argument("--keep-last", type=int, help="the newest K steps")
+    gc.add_argument("--keep-every", type=int, help="every step that is a multiple of M")
+    gc.add_argument("--keep-per-window", help="the newest step of each window, e.g. 1d, 6h")
+    gc.add_argument("--keep-best", type=int, help="the K steps with the lowest metric")
+    gc.add_argument("--best-mode", choices=["min", "max"], default="min")
+    gc.add_argument("--dry-run", action="store_true", help="say what would go; delete nothing")
 
 
 def _gc(opts: argparse.Namespace) -> int:
