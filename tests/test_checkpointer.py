@@ -86,7 +86,7 @@ def test_restore_a_given_step(tmp_path):
     assert ckpt.restore(fresh, step=1) == 1 and fresh["progress"].step == 0
 
 
-def test_an_uncommitted_directory_is_invisible_and_cleaned_up_by_the_next_checkpointer(tmp_path):
+def test_an_uncommitted_directory_is_invisible_and_cleaned_up_by_the_next_job(tmp_path):
     ckpt = Checkpointer(tmp_path)
     state = _state()
     ckpt.save(1, state)
@@ -94,12 +94,12 @@ def test_an_uncommitted_directory_is_invisible_and_cleaned_up_by_the_next_checkp
     (tmp_path / step_dir(2) / "r00000-000.safetensors").write_bytes(b"partial")
     assert ckpt.steps() == [1]
     assert ckpt.restore(_state()) == 1
-    ckpt.save(3, state)  # the save path lists nothing: a crash's leftovers wait for the next open
+    ckpt.save(3, state)  # saves list once: a crash's leftovers wait for the next job
     assert step_dir(2) in os.listdir(tmp_path)
     ckpt.close()
     reopened = Checkpointer(tmp_path)
-    reopened.wait()  # the opening listing runs in the background
-    assert sorted(os.listdir(tmp_path)) == ["latest", step_dir(1), step_dir(3)]
+    reopened.save(4, state)  # its first save lists, and removes them
+    assert sorted(os.listdir(tmp_path)) == ["latest", step_dir(1), step_dir(3), step_dir(4)]
 
 
 def test_a_committed_step_is_never_overwritten(tmp_path):

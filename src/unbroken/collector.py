@@ -1,11 +1,12 @@
 """Rank 0's view of the committed steps, kept in memory, and the background thread that
 deletes what retention lets go.
 
-The save path never lists the directory (a LIST and a HEAD per step on object stores,
-growing with the number of checkpoints): one listing when the Checkpointer opens, run on
-this thread, then every commit and deletion of this job updates the index. The same
-first pass removes the leftovers of saves that crashed before (step folders without a
-manifest); a save of this job that fails removes its own folder (see `saving.persist`).
+Saves never list the directory (a LIST and a HEAD per step on object stores, growing
+with the number of checkpoints), but for one listing at the Checkpointer's first save,
+run on this thread (a Checkpointer that only restores never lists); from then on every
+commit and deletion of this job updates the index. The same first pass removes the
+leftovers of saves that crashed before (step folders without a manifest); a save of this
+job that fails removes its own folder (see `saving.persist`).
 
 What holds: within a job, retention never deletes the newest committed step, nor a step
 a restore is reading (`Checkpointer.restore` waits for deletions in flight and pauses
@@ -50,8 +51,12 @@ class Collector:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="unbroken-gc") if active else None
         self._opened: Future[Any] | None = None
         self._last: Future[Any] | None = None
-        if self._thread is not None:
-            self._opened = self._last = self._thread.submit(self._open)
+
+    def _ensure_open(self) -> Future[Any] | None:
+        with self._lock:
+            if self._opened is None and self._thread is not None:
+                self._opened = self._last = self._thread.submit(self._open)
+            return self._opened
 
     def _open(self) -> None:
         """The one listing: known steps, and the leftovers of earlier crashed saves."""
@@ -66,15 +71,16 @@ class Collector:
             self._known = {**infos, **self._known}
 
     def known(self) -> list[int]:
-        """Committed steps this job knows of, oldest first (after the opening listing)."""
-        if self._opened is not None:
-            self._opened.result()
+        """Committed steps this job knows of, oldest first (the first call lists)."""
+        opened = self._ensure_open()
+        if opened is not None:
+            opened.result()
         with self._lock:
             return sorted(self._known)
 
     def committed(self, info: Info) -> None:
         """``info.step`` is committed: note it, and apply retention in the background."""
-        if self._thread is None:
+        if self._thread is None or self._ensure_open() is None:
             return
         with self._lock:
             self._known[info.step] = info
@@ -89,7 +95,7 @@ class Collector:
     def collect(self) -> list[int]:
         """Apply retention now, on the collector's thread, as a commit does; the steps it
         deleted."""
-        if self._thread is None:
+        if self._thread is None or self._ensure_open() is None:
             return []
         future = self._thread.submit(self._collect)
         self._last = future

@@ -255,7 +255,7 @@ def _clear(ctx: SaveContext, step: int, base: int | None) -> None:
             ctx.collector.forget(old)
         known = [s for s in known if s <= base]
     where = ctx.directory.path
-    if step in known:
+    if step in known or ctx.directory.is_committed(step):  # one request: another writer
         raise CheckpointError(
             f"{where}: step {step} is already committed; save under a new step, "
             f"or delete {step_dir(step)} first"
