@@ -89,7 +89,7 @@ def restore(
             restored = _load(ctx, state, choice, strict)
             damaged = tuple(Origin(kind, s) for kind, s in sorted(rejected))  # type: ignore[arg-type]
             return replace(restored, damaged=damaged)
-        except CheckpointError as e:
+        except Exception as e:  # on every rank: each stage fails everywhere or nowhere
             if not _damaged(ctx.comm, e) or step is not None or not fallback:
                 raise
             tier = "storage" if choice.from_storage else "memory"
