@@ -86,7 +86,7 @@ def test_restore_a_given_step(tmp_path):
     assert ckpt.restore(fresh, step=1) == 1 and fresh["progress"].step == 0
 
 
-def test_an_uncommitted_directory_is_invisible_and_cleaned_up_by_the_next_save(tmp_path):
+def test_an_uncommitted_directory_is_invisible_and_cleaned_up_by_the_next_job(tmp_path):
     ckpt = Checkpointer(tmp_path)
     state = _state()
     ckpt.save(1, state)
@@ -94,8 +94,12 @@ def test_an_uncommitted_directory_is_invisible_and_cleaned_up_by_the_next_save(t
     (tmp_path / step_dir(2) / "r00000-000.safetensors").write_bytes(b"partial")
     assert ckpt.steps() == [1]
     assert ckpt.restore(_state()) == 1
-    ckpt.save(3, state)
-    assert sorted(os.listdir(tmp_path)) == ["latest", step_dir(1), step_dir(3)]
+    ckpt.save(3, state)  # saves list once: a crash's leftovers wait for the next job
+    assert step_dir(2) in os.listdir(tmp_path)
+    ckpt.close()
+    reopened = Checkpointer(tmp_path)
+    reopened.save(4, state)  # its first save lists, and removes them
+    assert sorted(os.listdir(tmp_path)) == ["latest", step_dir(1), step_dir(3), step_dir(4)]
 
 
 def test_a_committed_step_is_never_overwritten(tmp_path):
@@ -239,6 +243,7 @@ def test_keep_retains_the_newest_checkpoints(tmp_path):
     state = _state()
     for step in range(1, 5):
         ckpt.save(step, state)
+    ckpt.wait()  # deletion runs in the background
     assert ckpt.steps() == [3, 4]
     assert sorted(os.listdir(tmp_path)) == ["latest", step_dir(3), step_dir(4)]
 
@@ -249,3 +254,61 @@ def test_keep_retains_the_newest_checkpoints(tmp_path):
 def test_bad_options_say_why(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         Checkpointer(tmp_path, **kwargs)
+
+
+def test_a_step_below_the_newest_committed_one_is_refused(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    state = _state()
+    ckpt.save(5, state)
+    with pytest.raises(CheckpointError, match="step 3 is below the newest committed step 5"):
+        ckpt.save(3, state)
+    assert ckpt.steps() == [5] and ckpt._directory.latest() == 5
+    assert Checkpointer(tmp_path).restore(_state()) == 5
+
+
+def test_a_job_that_rolls_back_retires_the_abandoned_steps(tmp_path):
+    """The rule (README, "Steps that go backwards"): restoring an older step, then saving,
+    retires the steps above the restored one; `latest` and `restore()` then give the
+    newest step of the new run, and retention counts only its steps."""
+    ckpt = Checkpointer(tmp_path, keep=3)
+    state = _state()
+    for step in range(1, 6):
+        _train(state, 1)
+        ckpt.save(step, state)
+    ckpt.wait()
+    assert ckpt.steps() == [3, 4, 5]
+    rolled = _state(seed=3)
+    assert ckpt.restore(rolled, step=3) == 3  # back before a loss spike
+    _train(rolled, 2)
+    ckpt.save(4, rolled)  # a step the abandoned run also saved
+    ckpt.wait()
+    assert ckpt.steps() == [3, 4] and ckpt._directory.latest() == 4
+    fresh = _state(seed=9)
+    assert Checkpointer(tmp_path).restore(fresh) == 4
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(_params(fresh).values(), _params(rolled).values(), strict=True)
+    )
+    ckpt.save(5, rolled)  # once: later saves retire nothing
+    ckpt.save(6, rolled)
+    ckpt.wait()
+    assert ckpt.steps() == [4, 5, 6]
+
+
+def test_step_takes_what_the_policy_says(tmp_path):
+    from unbroken.policies import Every, Policy
+
+    policy = Policy(snapshot=Every(steps=2), save=Every(steps=5), blocking=True)
+    ckpt = Checkpointer(
+        tmp_path / "ckpt", memory=True, memory_dir=str(tmp_path / "shm"), policy=policy
+    )
+    state = _state()
+    for step in range(1, 11):
+        _train(state, 1)
+        ckpt.step(step, state)
+    ckpt.save(11, state)  # the loop may still save by itself
+    ckpt.step(11, state)  # and the policy does not save it twice
+    ckpt.wait()
+    assert ckpt.steps() == [5, 10, 11]
+    assert ckpt._memory is not None  # the two newest snapshots (10 was saved):
+    assert sorted(ckpt._memory.snapshots()) == [6, 8]

@@ -1,5 +1,5 @@
 """The checkpoint directory: what counts as committed, the latest pointer, leftovers,
-deletion, and the retention policy (pure, table-driven)."""
+deletion (retention: tests/test_retention.py)."""
 
 import json
 
@@ -7,25 +7,10 @@ import pytest
 import torch
 
 from unbroken import Checkpointer
-from unbroken.directory import Directory, expired
+from unbroken.directory import Directory
 from unbroken.errors import CheckpointError
 from unbroken.format import LATEST, MANIFEST, step_dir
 from unbroken.storage import open_storage
-
-
-@pytest.mark.parametrize(
-    ("steps", "keep", "doomed"),
-    [
-        ([1, 2, 3, 4], None, []),  # keep everything
-        ([1, 2, 3, 4], 2, [1, 2]),
-        ([1, 2], 2, []),
-        ([1], 3, []),  # fewer than keep
-        ([], 1, []),
-        ([5, 9, 12], 1, [5, 9]),
-    ],
-)
-def test_retention_deletes_all_but_the_newest(steps, keep, doomed):
-    assert expired(steps, keep) == doomed
 
 
 @pytest.fixture
@@ -56,10 +41,9 @@ def test_latest_follows_the_pointer_and_falls_back_to_listing(directory, tmp_pat
     assert directory.latest() == 3
 
 
-def test_retain_deletes_the_oldest_steps_whole(directory, tmp_path):
-    assert directory.retain(2) == [1]
+def test_delete_removes_the_manifest_first_and_the_step_whole(directory, tmp_path):
+    directory.delete(1)
     assert directory.steps() == [2, 3] and not (tmp_path / step_dir(1)).exists()
-    assert directory.retain(None) == []
     assert directory.manifest().step == 3
     assert not (tmp_path / step_dir(1) / MANIFEST).exists()
 
@@ -71,21 +55,3 @@ def test_a_missing_step_names_the_committed_ones(directory):
         directory.manifest(9)
     with pytest.raises(CheckpointError, match="committed by another writer meanwhile"):
         directory.commit(directory.manifest(3))
-
-
-def test_keeping_everything_costs_no_listing(tmp_path):
-    """Retention runs after every save: with keep=None it must not list the directory
-    (a LIST and a HEAD per step on object stores)."""
-
-    class NoListing:
-        def __init__(self, storage):
-            self.storage = storage
-
-        def __getattr__(self, name):
-            return getattr(self.storage, name)
-
-        def list(self, path):
-            raise AssertionError(f"listed {path!r}")
-
-    directory = Directory(NoListing(open_storage(str(tmp_path))), str(tmp_path))
-    assert directory.retain(None) == []

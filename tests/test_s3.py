@@ -61,6 +61,7 @@ def test_restore_finds_the_newest_step_without_listing(any_bucket):
     ckpt = Checkpointer(uri, storage_options=options, keep=2)
     for step in (1, 2, 3):
         ckpt.save(step, _state())
+    ckpt.wait()  # retention deletes in the background
     assert json.loads(ckpt.storage.read("latest")) == {"step": 3}
     reader = Checkpointer(uri, storage_options=options)
     reader.storage = counting = CountingStorage(reader.storage)

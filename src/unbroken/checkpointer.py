@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import warnings
 from collections.abc import Mapping, MutableMapping
@@ -16,18 +15,22 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from unbroken import abort, records, replicas, restoring, saving
+from unbroken import abort, placement, records, replicas, restoring, saving
 from unbroken.background import PendingSave, SaveThread
 from unbroken.background import wait_for as _wait
+from unbroken.cadence import Cadence
+from unbroken.collector import Collector
 from unbroken.directory import Directory
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.exiting import at_exit as _at_exit
 from unbroken.format import Manifest
 from unbroken.memory import MemoryTier
-from unbroken.memory import replica_layout as layout
 from unbroken.options import Options
-from unbroken.run import contract, worker
+from unbroken.policies import SavePolicy
+from unbroken.preemption import Preemption
+from unbroken.retention import KeepLast, Retention
+from unbroken.run import worker
 from unbroken.sources import Restored
 from unbroken.staging import Stager
 from unbroken.stepping import Stepper
@@ -53,28 +56,7 @@ class Checkpointer:
         storage_options: for S3, the fields of `unbroken.storage.s3.S3Options`
             (endpoint, region, path_style, credentials, part_size, concurrency,
             timeouts); for fsspec URLs, arguments of the file system.
-        keep: keep only the newest ``keep`` committed checkpoints; ``None`` keeps all.
-        process_group: the ranks that checkpoint together; default: all of them.
-        timeout: how long a rank waits for the others during save or restore (seconds).
-        io_threads: parallel file writers and readers per rank.
-        staging_buffers: host copies of the state that background saves may hold at once.
-        if_busy: what ``save(blocking=False)`` does when every staging buffer still holds
-            a save that is persisting: ``"wait"`` for one to free, or ``"skip"`` this step.
-        on_error: what the next ``save()`` does about a background save that failed:
-            ``"raise"`` it, or ``"warn"`` and go on.
-        replicated_reads: how a restore reads tensors that every rank needs whole (DDP
-            parameters and optimizer state): ``"each"`` rank reads them; ``"broadcast"``:
-            rank 0 reads them and broadcasts; ``"slice"``: the ranks share the reading
-            and broadcast what each read. The last two cut storage traffic by the world
-            size, which is what counts on object stores.
-        memory: keep `snapshot`s in this node's shared memory (``memory_dir``, default
-            ``$UNBROKEN_MEMORY_DIR`` or /dev/shm/unbroken), so a process restarted on the
-            same node restores without touching storage.
-        replicas: with ``memory``, also keep each snapshot in the shared memory of this
-            many peers on other nodes (sent in the background over the checkpointer's
-            gloo group), so the ranks of a lost node restore from their peers.
-        job: names the job in shared memory, so another job's snapshots are never
-            used; default: torchrun's run id, else the checkpoint path.
+        the others (keep, policy, preemption...): see `unbroken.options.Options`.
     """
 
     def __init__(
@@ -82,7 +64,9 @@ class Checkpointer:
         path: str | os.PathLike[str],
         *,
         storage_options: dict[str, Any] | None = None,
-        keep: int | None = None,
+        keep: int | Retention | None = None,
+        policy: SavePolicy | None = None,
+        preemption: Preemption | None = None,
         process_group: dist.ProcessGroup | None = None,
         timeout: float = 600.0,
         io_threads: int = 2,
@@ -101,27 +85,25 @@ class Checkpointer:
             replicas=replicas,
         )  # fmt: skip
         self.path = os.fspath(path)
-        self.keep = keep
+        self.keep = KeepLast(keep) if isinstance(keep, int) else keep
         self.io_threads = io_threads
         self.if_busy = if_busy
         self.on_error = on_error
         self.replicated_reads = replicated_reads
         self.storage = open_storage(self.path, storage_options)
-        self._comm = Comm(process_group, timedelta(seconds=timeout))
+        wait = timedelta(seconds=timeout)
+        self._comm = Comm(process_group, wait)
+        self._collector = Collector(self._directory, self.keep, active=self.rank == 0)
+        self._cadence = Cadence(policy, preemption, process_group, wait, self._comm.world_size)
+        self._rollback: int | None = None  # the step restored, until the next save
         self._stager = Stager(staging_buffers)
-        self._memory: MemoryTier | None = None
-        self._replica_partners: list[int] = []  # ranks that keep replicas of this rank
-        self._replica_sources: list[int] = []  # ranks this rank keeps replicas of
         self._replicating: Future[Any] | None = None
         self._job = job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{self.path}"
-        nodes = self._nodes()
-        if memory:
-            self._open_memory(memory_dir, nodes, replicas)
-        # Per-step records go to one rank on another node (its replica partners').
-        to, sources = self._replica_partners, self._replica_sources
-        if not to and not sources:
-            to, sources = layout(nodes, self.rank, 1)
-        self._stepper = Stepper(self._comm, self._job, to, sources)
+        where = placement.place(self._comm, self._job, memory, memory_dir, replicas)
+        self._memory = where.memory
+        self._replica_partners = where.partners  # ranks that keep replicas of this rank
+        self._replica_sources = where.sources  # ranks this rank keeps replicas of
+        self._stepper = Stepper(self._comm, self._job, *where.records)
         # One thread persists saves in order: every rank then issues the same collectives
         # in the same order on the checkpointer's own group, never the training loop's.
         self._worker = SaveThread()
@@ -134,18 +116,6 @@ class Checkpointer:
         self.last_restore: Restored | None = None
         _at_exit(self)
         abort.register(self)
-
-    def _nodes(self) -> list[str]:
-        """Every rank's node: what torchrun calls one (its node rank), or a simulated one."""
-        node = os.environ.get(contract.NODE_ENV) or os.environ.get("GROUP_RANK")
-        return list(self._comm.all_gather(f"{socket.gethostname()}/{node}"))
-
-    def _open_memory(self, memory_dir: str | None, nodes: list[str], replicas: int) -> None:
-        """The shared-memory tier and, with ``replicas``, who keeps replicas of whom."""
-        root = memory_dir or os.environ.get(contract.MEMORY_DIR_ENV) or contract.DEFAULT_MEMORY_ROOT
-        self._memory = MemoryTier(root, self._job, self.rank, self._comm.world_size)
-        if replicas:
-            self._replica_partners, self._replica_sources = layout(nodes, self.rank, replicas)
 
     @property
     def rank(self) -> int:
@@ -162,13 +132,8 @@ class Checkpointer:
     @storage.setter
     def storage(self, storage: Storage) -> None:
         self._directory = Directory(storage, self.path)
-
-    def _restore_context(self) -> restoring.RestoreContext:
-        return restoring.RestoreContext(
-            comm=self._comm, directory=self._directory, io_threads=self.io_threads,
-            replicated_reads=self.replicated_reads, memory=self._memory,
-            replica_sources=tuple(self._replica_sources),
-        )  # fmt: skip
+        if hasattr(self, "_collector"):
+            self._collector.directory = self._directory
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first. Directories without a manifest are not listed."""
@@ -180,7 +145,14 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any], *, blocking: bool = True) -> PendingSave:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        blocking: bool = True,
+        metric: float | None = None,
+    ) -> PendingSave:
         """Save ``state`` as ``step``. Collective: every rank calls it with the same step.
 
         ``state`` maps names to Stateful objects (modules, optimizers, schedulers,
@@ -189,10 +161,11 @@ class Checkpointer:
         ``blocking=True`` returns once the checkpoint is committed. ``blocking=False``
         returns as soon as the state is copied into a staging buffer: **from then on the
         training loop may modify every tensor and Stateful in ``state``**; the copy is
-        written and committed in the background (see `PendingSave`). Saving a step that is
-        already committed is an error; a failed save leaves every committed checkpoint as
-        it was.
-        """
+        written and committed in the background (see `PendingSave`). A failed save
+        leaves every committed checkpoint as it was. ``metric`` (a loss...) is what
+        `KeepBest` ranks by. A committed step, or one below the newest committed, is
+        refused, unless this job restored an older step: its next save then retires the
+        steps above that one (README, "Steps that go backwards")."""
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
         if not isinstance(step, int) or step < 0:
@@ -207,6 +180,8 @@ class Checkpointer:
                 staged = saving.skipped(step)
             else:
                 staged = saving.stage(step, state, arena)
+            staged.metric, staged.rollback_from = metric, self._rollback
+            self._rollback = None
         except BaseException as e:
             if arena is not None:
                 self._stager.release(arena)
@@ -232,7 +207,7 @@ class Checkpointer:
         try:
             context = saving.SaveContext(
                 comm=self._comm, directory=self._directory, io_threads=self.io_threads,
-                keep=self.keep,
+                collector=self._collector,
             )  # fmt: skip
             return saving.persist(context, staged)
         except BaseException as e:
@@ -267,6 +242,7 @@ class Checkpointer:
         """Wait until every save started so far is committed, skipped or failed, and raise
         a failure the way the next `save` would."""
         self._drain()
+        self._collector.wait()
         self._surface_failure()
 
     def _drain(self) -> None:
@@ -316,46 +292,63 @@ class Checkpointer:
 
     def step(self, step: int, state: Mapping[str, Any]) -> None:
         """Declare ``state`` complete at ``step``: call it after each optimizer step,
-        before the step's next collective. Cheap, no storage IO: it keeps a small record
-        of what data-parallel replicas do not share (`Progress`, `RNGState`, schedulers,
-        plain values; not modules or optimizers) in this process and on a peer on another
-        node, in one point-to-point round trip, so that when it returns the peer holds the
-        step. After a failure, `restore` then heals from live replicas (see
-        `unbroken.healing`): healthy ranks keep their state, replacements get it from
-        them, and at most the step in flight is lost. Every rank calls it for the same
-        steps. Its heartbeat (`unbroken.run.tick`) comes once the peer holds the step."""
+        before the step's next collective; every rank, the same steps. It keeps a small
+        record of what data-parallel replicas do not share (`Progress`, `RNGState`,
+        schedulers, plain values) here and on a peer on another node, in one round trip,
+        so that `restore` can heal from live replicas (`unbroken.healing`); then beats
+        the heartbeat (`unbroken.run.tick`). With a ``policy`` it takes the snapshot or
+        save the policy says; with ``preemption``, after a signal, it saves this step,
+        blocking, and raises `Preempted`."""
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
         self._stepper.exchange(self._stepper.record(step, state, self._memory))
         worker.tick(step)
+        self._cadence.at_step(step, state, self)
+
+    def _saving(self, step: int) -> bool:  # by the loop itself, or a policy
+        with self._lock:
+            return any(p.step == step for p in self._pending)
 
     # -- restore ---------------------------------------------------------------------
 
     def restore(
-        self, state: MutableMapping[str, Any], step: int | None = None, *, strict: bool = True
+        self,
+        state: MutableMapping[str, Any],
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        fallback: bool = True,
     ) -> int | None:
         """Load a step into ``state`` in place and return it.
 
-        ``step=None`` takes the newest step, and returns None (touching nothing) when
-        there is none. After a failure where `step` records exist, the healthy ranks
-        keep their live state and replacements heal from it (origin ``"live"``); else
-        the newest step in shared memory or storage is loaded. Tensors are read
-        straight into the existing tensors where possible; Stateful objects then get
-        ``load_state_dict``; plain JSON values are replaced in ``state``. Keys, shapes
-        and files are all checked on every rank before any byte of ``state`` changes.
-        ``strict=False`` skips top-level entries and module parameters present on one
-        side only. Saves still in the background are waited for first (a failure among
-        them is still raised by the next `save` or `wait`). Where each rank's state
-        came from is then in `last_restore`.
+        ``step=None`` takes the newest step (None, touching nothing, if there is none):
+        healed from live replicas after a failure where `step` records exist (origin
+        ``"live"``), else the newest step in shared memory or storage. Tensors are read
+        in place where possible, Statefuls get ``load_state_dict``, JSON values are
+        replaced. Keys, shapes and files are checked on every rank before any byte
+        changes; ``strict=False`` skips entries and parameters on one side only. A copy
+        that fails verification (checksum, truncated or missing file) is passed over,
+        loudly, for the newest older one that verifies (``fallback=False`` or an explicit
+        ``step``: raise instead); a failed restore leaves ``state`` as it was. Background
+        saves are waited for first. Where each rank's state came from: `last_restore`.
         """
         self._drain()
         worker.event("restore_start")
         healed = self._stepper.heal(state) if step is None else None
         if healed is None:
-            healed = restoring.restore(self._restore_context(), state, step, strict)
+            with self._collector.paused():
+                context = restoring.RestoreContext(
+                    comm=self._comm, directory=self._directory, io_threads=self.io_threads,
+                    replicated_reads=self.replicated_reads, memory=self._memory,
+                )  # fmt: skip
+                healed = restoring.restore(context, state, step, strict, fallback)
         self.last_restore = healed
+        for bad in () if healed is None else healed.damaged:
+            if bad.kind == "storage":
+                self._collector.damaged(bad.step)
+        self._rollback = None if healed is None else healed.step
         self._stepper.agree_layouts(state, self._memory)
         restored = None if self.last_restore is None else self.last_restore.step
         worker.event("restore_done", step=restored)
@@ -372,6 +365,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._stepper.stop()
+            self._collector.close()
+            self._cadence.close()
             records.forget(self._job)  # the job is over here: nothing left to heal
             self._worker.shutdown(wait=True)
             self._comm.close()

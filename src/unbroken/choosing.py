@@ -18,6 +18,7 @@ from unbroken.directory import Directory
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.memory import MemoryTier
+from unbroken.run import worker
 from unbroken.sources import MemorySource, Origin, ReplicaSource, Source, StorageSource
 
 log = logging.getLogger("unbroken")
@@ -45,24 +46,29 @@ def choose(
     memory: MemoryTier | None,
     replica_sources: Sequence[int],
     step: int | None,
+    rejected: set[tuple[str, int]] | None = None,
 ) -> Choice | None:
     """Agree on the step (``step``, or the newest; None if there is none) and on its
     sources. Collective; raises on every rank if ``step`` is committed nowhere.
-    ``replica_sources`` is no longer needed (every copy in memory is found by the rank
-    that saved it) and is ignored."""
+    ``rejected`` holds the ``(tier, step)`` pairs a restore found damaged (tier
+    ``"memory"`` or ``"storage"``): they are passed over, and a step damaged in memory
+    here is added. ``replica_sources`` is no longer needed (every copy in memory is found
+    by the rank that saved it) and is ignored."""
     del replica_sources
+    rejected = set() if rejected is None else rejected
+    bad_memory = {s for tier, s in rejected if tier == "memory"}
+    bad_storage = {s for tier, s in rejected if tier == "storage"}
     requested = comm.all_gather(step)
     if len(set(requested)) > 1:
         raise CheckpointError(
             f"ranks disagree on the step to restore: {dict(enumerate(requested))}; "
             "every rank must call restore() with the same step"
         )
-    rejected: set[int] = set()  # steps whose copy in memory failed a checksum somewhere
     while True:
-        in_memory = _in_memory(comm, memory, rejected)
+        in_memory = _in_memory(comm, memory, bad_memory)
 
         def pick(in_memory: dict[int, dict[int, list[int]]] = in_memory) -> int | None:
-            return _pick(directory, step, in_memory) if comm.rank == 0 else None
+            return _pick(directory, step, in_memory, bad_storage) if comm.rank == 0 else None
 
         chosen: int | None = comm.broadcast(comm.together("finding a checkpoint", pick))
         if chosen is None:
@@ -74,17 +80,33 @@ def choose(
         choice = _from_memory(comm, memory, chosen, in_memory[chosen])
         if choice is not None:
             return choice
-        rejected.add(chosen)
+        bad_memory.add(chosen)
+        rejected.add(("memory", chosen))
+        fell_back(chosen, "memory", f"step {chosen} in shared memory is damaged")
 
 
-def _pick(directory: Directory, step: int | None, in_memory: Mapping[int, object]) -> int | None:
+def fell_back(step: int, tier: str, reason: str) -> None:
+    """Say loudly that ``step`` in ``tier`` is damaged and an older copy is tried, and
+    record the event for `unbroken run`'s timeline."""
+    log.error("restore: %s (falling back to the newest older copy that verifies)", reason)
+    worker.event("fallback", step=step, tier=tier, reason=reason[:500])
+
+
+def _pick(
+    directory: Directory, step: int | None, in_memory: Mapping[int, object], bad: set[int]
+) -> int | None:
     """On rank 0: ``step`` if given (it must be in memory or committed), else the newest
-    step in memory or on storage, memory winning a tie."""
+    step in memory or on storage, memory winning a tie. Steps in ``bad`` are damaged on
+    storage: the next older committed one is taken (a listing, on this rare path)."""
     if step is not None:
+        if step in bad:
+            return None
         if step not in in_memory:
             directory.manifest(step)  # raises a clear error if it is not committed
         return step
     stored = directory.latest()
+    if stored in bad:
+        stored = max((s for s in directory.steps() if s not in bad), default=None)
     newest = max(in_memory, default=None)
     if newest is not None and (stored is None or newest >= stored):
         return newest

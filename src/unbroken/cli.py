@@ -1,4 +1,4 @@
-"""The `unbroken` command: ls, show, verify, export, convert, tokenise, demo, run.
+"""The `unbroken` command: ls, show, verify, export, convert, tokenise, gc, demo, run.
 
 Exit codes (also in ``unbroken --help`` and the README): 0 ok, 1 damage found, 2 usage or
 input error. ``--json`` output (ls, show, verify) is built by `unbroken.cli_json`.
@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -24,7 +25,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from unbroken import cli_json
+from unbroken import cli_json, retention
+from unbroken.collector import read_info
 from unbroken.data import command as tokenise
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
@@ -134,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     conv.add_argument("--force", action="store_true", help="--to dcp: replace DST's checkpoint")
     tokenise.add_parser(sub, EXIT_CODES)
+    _gc_command(sub)
     sub.add_parser("demo", help="train, kill and resume a small GPT under torchrun (30-40 s)")
     sub.add_parser("run", help="torchrun with restarts, hang detection and fault injection")
     sub.add_parser("coordinator", help="the store of a multi-node `run --in-process` job")
@@ -159,6 +162,51 @@ def _json_flag(p: argparse.ArgumentParser) -> None:
 
 def _quiet_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+def _gc_command(sub: Any) -> None:
+    gc = _command(sub, "gc", _gc, "delete the checkpoints retention lets go (what keep= does)")
+    gc.add_argument("--keep-last", type=int, help="the newest K steps")
+    gc.add_argument("--keep-every", type=int, help="every step that is a multiple of M")
+    gc.add_argument("--keep-per-window", help="the newest step of each window, e.g. 1d, 6h")
+    gc.add_argument("--keep-best", type=int, help="the K steps with the lowest metric")
+    gc.add_argument("--best-mode", choices=["min", "max"], default="min")
+    gc.add_argument("--dry-run", action="store_true", help="say what would go; delete nothing")
+
+
+def _gc(opts: argparse.Namespace) -> int:
+    rules: list[retention.Retention] = []
+    if opts.keep_last:
+        rules.append(retention.KeepLast(opts.keep_last))
+    if opts.keep_every:
+        rules.append(retention.KeepEvery(opts.keep_every))
+    if opts.keep_per_window:
+        rules.append(retention.KeepPerWindow(_seconds(opts.keep_per_window)))
+    if opts.keep_best:
+        rules.append(retention.KeepBest(opts.keep_best, opts.best_mode))
+    if not rules:
+        raise CheckpointError("name what to keep: --keep-last, --keep-every, ... (see --help)")
+    directory = _open(opts.path)
+    infos = [read_info(directory, s) for s in directory.steps()]
+    doomed = retention.doomed(retention.KeepAny(tuple(rules)), infos)
+    kept = [i.step for i in infos if i.step not in doomed]
+    verb = "would delete" if opts.dry_run else "deleting"
+    console.print(f"{opts.path}: keeping {kept}; {verb} {doomed}", highlight=False)
+    for step in [] if opts.dry_run else doomed:
+        directory.delete(step)
+    return OK
+
+
+def _seconds(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if text[-1:] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise CheckpointError(
+            f"--keep-per-window {text!r}: a number of seconds, or 12h, 1d"
+        ) from None
 
 
 def _open(path: str) -> Directory:

@@ -1,9 +1,10 @@
 """A checkpoint directory on any `Storage`: which steps are committed, their manifests,
-the ``latest`` pointer, the leftovers of failed saves, deletion and retention.
+the ``latest`` pointer, the leftovers of failed saves, deletion. Which steps to delete
+is `unbroken.retention`'s to say, applied by `unbroken.collector`.
 
 A step exists only once its manifest does (see `unbroken.format`): every lookup here
 goes by the manifest, so a directory a crashed save left behind is never listed, read,
-or counted by retention; the next save removes it.
+or counted by retention; the next Checkpointer to open removes it.
 """
 
 from __future__ import annotations
@@ -105,17 +106,6 @@ class Directory:
         self.storage.delete(f"{step_dir(step)}/{MANIFEST}")
         self.storage.delete(step_dir(step))
 
-    def retain(self, keep: int | None) -> list[int]:
-        """Delete all but the newest ``keep`` committed steps (``None``: keep all);
-        returns the steps deleted. With ``None`` it lists nothing: this runs after
-        every save, and a listing costs requests on object stores."""
-        if keep is None:
-            return []
-        doomed = expired(self.steps(), keep)
-        for step in doomed:
-            self.delete(step)
-        return doomed
-
     def _committed(self, folder: str) -> bool:
         try:
             self.storage.size(f"{folder}/{MANIFEST}")
@@ -125,16 +115,6 @@ class Directory:
 
     def __repr__(self) -> str:
         return f"Directory({self.path!r})"
-
-
-def expired(steps: list[int], keep: int | None) -> list[int]:
-    """The retention policy, pure: of the committed ``steps`` (oldest first), those to
-    delete so that the newest ``keep`` remain."""
-    if keep is None:
-        return []
-    if keep < 1:
-        raise ValueError(f"keep={keep}: the newest checkpoint is never deleted")
-    return steps[:-keep]
 
 
 def _summary(steps: list[int]) -> str:

@@ -29,10 +29,12 @@ import torch
 
 from unbroken import saving
 from unbroken.background import SaveThread, wait_for
+from unbroken.collector import Collector
 from unbroken.directory import Directory
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.offline import read_all
+from unbroken.retention import KeepLast
 from unbroken.staging import Stager
 from unbroken.state import decode
 from unbroken.storage import open_storage
@@ -186,10 +188,14 @@ class CheckpointIO(_Base):
             directory = self._directory(path)
             latest = directory.latest()
             staged.step = 0 if latest is None else latest + 1
+            collector = Collector(directory, KeepLast(1), active=True)
             context = saving.SaveContext(
-                comm=_Solo(), directory=directory, io_threads=self.io_threads, keep=1
+                comm=_Solo(), directory=directory, io_threads=self.io_threads, collector=collector
             )
-            saving.persist(context, staged)
+            try:
+                saving.persist(context, staged)
+            finally:
+                collector.close()
         finally:
             if staged.arena is not None:
                 self._stager.release(staged.arena)

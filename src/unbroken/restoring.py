@@ -2,15 +2,16 @@
 (`unbroken.choosing`), check, read, share, apply.
 
 Keys, shapes, files and sizes are all checked on every rank before any byte of the state
-changes, so bad input costs nothing. A checksum failure found while reading leaves the
-state partly overwritten; the error says so, and which step to try instead.
+changes, so bad input costs nothing. A checksum failure found while reading puts back
+what was overwritten (a host copy taken before reading), then falls back to the next
+newest copy that verifies, or raises.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -19,10 +20,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from unbroken import replicas
-from unbroken.choosing import Choice, choose
+from unbroken.backup import Backup
+from unbroken.choosing import Choice, choose, fell_back
 from unbroken.directory import Directory
 from unbroken.dist import Comm
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Chunk, Manifest, TensorEntry, checksum, verify_block
 from unbroken.memory import MemoryTier
 from unbroken.reshard import saved_objects
@@ -61,36 +63,77 @@ class _Target:
 
 
 def restore(
-    ctx: RestoreContext, state: MutableMapping[str, Any], step: int | None, strict: bool
+    ctx: RestoreContext,
+    state: MutableMapping[str, Any],
+    step: int | None,
+    strict: bool,
+    fallback: bool = True,
 ) -> Restored | None:
     """Load ``step`` (None: the newest) into ``state``; None if there is nothing to
-    restore. Collective."""
+    restore. Collective. A copy found damaged (checksum, truncated or missing file) is
+    passed over for the next newest copy that verifies, in memory or on storage, when
+    ``step`` is None and ``fallback``; otherwise the error is raised. Either way a
+    failed attempt leaves ``state`` as it was (see `Backup`)."""
+    rejected: set[tuple[str, int]] = set()
+    damage: list[str] = []
+    while True:
+        choice = choose(ctx.comm, ctx.directory, ctx.memory, ctx.replica_sources, step, rejected)
+        if choice is None:
+            if damage:
+                raise CorruptCheckpointError(
+                    f"{ctx.directory.path}: no checkpoint verifies; {'; '.join(damage)}. "
+                    "`unbroken verify --all` lists what is damaged"
+                )
+            return None
+        try:
+            restored = _load(ctx, state, choice, strict)
+            damaged = tuple(Origin(kind, s) for kind, s in sorted(rejected))  # type: ignore[arg-type]
+            return replace(restored, damaged=damaged)
+        except Exception as e:  # on every rank: each stage fails everywhere or nowhere
+            if not _damaged(ctx.comm, e) or step is not None or not fallback:
+                raise
+            tier = "storage" if choice.from_storage else "memory"
+            rejected.add((tier, choice.step))
+            damage.append(f"step {choice.step} ({tier}): {e}")
+            fell_back(choice.step, tier, f"step {choice.step} is damaged: {e}")
+
+
+def _damaged(comm: Comm, error: BaseException) -> bool:
+    """Whether a failed load met damage on some rank (the others only hear that it
+    failed). Collective: every rank of a failed stage calls it."""
+    return any(comm.all_gather(isinstance(error, CorruptCheckpointError)))
+
+
+def _load(
+    ctx: RestoreContext, state: MutableMapping[str, Any], choice: Choice, strict: bool
+) -> Restored:
+    """Load ``choice`` into ``state``: all of it, or (raising) nothing."""
     comm = ctx.comm
-    choice = choose(comm, ctx.directory, ctx.memory, ctx.replica_sources, step)
-    if choice is None:
-        return None
     # Fresh optimizers of sharded parameters get their state tensors first, so that the
     # checkpoint is read into them in place, sharded like their parameters (FSDP2 needs
     # DTensor state).
     fresh = [o for o in state.values() if isinstance(o, Optimizer) and _init_state(o)]
+    backup: Backup | None = None
     try:
         manifest, tree, targets = comm.together(
             f"checking step {choice.step}", lambda: _check(comm, choice, state, strict)
         )
+        backup = Backup(t.region for t in targets if t.dest is not None)
+        # Memory is read where it is: a rank's snapshot holds its own values, per-rank
+        # ones too, so nothing is broadcast from another rank's copy.
+        readers = _readers(comm, targets, ctx.replicated_reads) if choice.from_storage else {}
+        loaded, buffers = comm.together(
+            f"reading step {choice.step}",
+            lambda: _read(ctx, choice, manifest, targets, readers),
+        )
+        if readers:
+            _share(comm, choice, manifest, readers, loaded, buffers)
     except BaseException:
+        if backup is not None:
+            backup.put_back()
         for optim in fresh:
-            optim.state.clear()  # as it was: nothing changes when a restore is refused
+            optim.state.clear()  # as it was: nothing changes when a restore fails
         raise
-    # Memory is read where it is: a rank's snapshot holds its own values, per-rank ones
-    # too, so nothing is broadcast from another rank's copy.
-    readers = {}
-    if choice.from_storage:
-        readers = _readers(comm, targets, ctx.replicated_reads)
-    loaded, buffers = comm.together(
-        f"reading step {choice.step}", lambda: _read(ctx, choice, manifest, targets, readers)
-    )
-    if readers:
-        _share(comm, choice, manifest, readers, loaded, buffers)
     comm.together(
         f"loading step {choice.step} into the state", lambda: _apply(state, tree, loaded, strict)
     )

@@ -10,6 +10,7 @@ Persisting is collective. Its phases, each ending with every rank agreeing:
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -18,11 +19,14 @@ from typing import Any
 
 import torch
 
+from unbroken.collector import INFO, Collector
 from unbroken.directory import Directory
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.format import Manifest, block_checksums, dtype_name, step_dir
 from unbroken.plan import Block, WritePlan, make_plan
+from unbroken.retention import Info
+from unbroken.run import worker
 from unbroken.shards import byte_view, local_block, write_blocks
 from unbroken.staging import Arena
 from unbroken.state import capture
@@ -33,12 +37,13 @@ log = logging.getLogger("unbroken")
 @dataclass(frozen=True, kw_only=True)
 class SaveContext:
     """What persisting a save needs: the checkpointer's group, the directory it writes,
-    its writer threads per rank, and how many committed steps to keep (None: all)."""
+    its writer threads per rank, rank 0's index of committed steps (which also applies
+    retention)."""
 
     comm: Comm
     directory: Directory
     io_threads: int
-    keep: int | None
+    collector: Collector
 
 
 @dataclass(kw_only=True)
@@ -56,6 +61,8 @@ class Staged:
     ready: torch.cuda.Event | None = None
     skipped: bool = False
     error: str | None = None  # staging failed on this rank
+    metric: float | None = None  # for retention (`KeepBest`); rank 0's counts
+    rollback_from: int | None = None  # the step restored before, if it may roll back to it
 
 
 def stage(step: int, state: Mapping[str, Any], arena: Arena | None) -> Staged:
@@ -99,7 +106,19 @@ def failed(step: int, error: BaseException) -> Staged:
 
 
 def persist(ctx: SaveContext, staged: Staged) -> bool:
-    """Write and commit ``staged``; False if some rank skipped this step."""
+    """Write and commit ``staged``; False if some rank skipped this step. If writing or
+    committing fails, rank 0 removes what the ranks wrote (every rank has stopped by
+    then: each stage ends with all of them agreeing), unless the step got committed."""
+    writing: list[bool] = []
+    try:
+        return _persist(ctx, staged, writing)
+    except BaseException:
+        if writing and ctx.comm.rank == 0:
+            _remove_failed(ctx, staged.step)
+        raise
+
+
+def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
     started = time.perf_counter()
     comm, step = ctx.comm, staged.step
     blocks = comm.together(f"saving step {step}", lambda: _describe(ctx, staged))
@@ -119,6 +138,7 @@ def persist(ctx: SaveContext, staged: Staged) -> bool:
             "every rank must call save() with the same step"
         )
     plan = make_plan([[Block.from_json(b) for b in row[2]] for row in rows])
+    writing.append(True)
     mine = set(plan.writes[comm.rank])
     to_write = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
     locations, sizes = comm.together(
@@ -128,8 +148,10 @@ def persist(ctx: SaveContext, staged: Staged) -> bool:
         ),
     )
     gathered = comm.all_gather([locations, sizes, staged.tree])
-    comm.together(f"committing step {step}", lambda: _commit(ctx, step, plan, gathered))
+    info = Info(step, time.time(), staged.metric)
+    comm.together(f"committing step {step}", lambda: _commit(ctx, info, plan, gathered))
     if comm.rank == 0:
+        ctx.collector.committed(info)  # retention runs on the collector's thread
         try:
             ctx.directory.move_latest(step)
         except Exception as e:  # the step is committed; restore finds it by listing
@@ -137,8 +159,17 @@ def persist(ctx: SaveContext, staged: Staged) -> bool:
         written = sum(size for row in gathered for size in row[1].values())
         seconds = time.perf_counter() - started
         log.info("saved step %d: %.1f MiB in %.2f s", step, written / 2**20, seconds)
-        ctx.directory.retain(ctx.keep)
     return True
+
+
+def _remove_failed(ctx: SaveContext, step: int) -> None:
+    try:
+        if ctx.directory.is_committed(step):
+            ctx.collector.committed(Info(step, time.time()))
+        else:
+            ctx.directory.storage.delete(step_dir(step))
+    except Exception as e:  # the next Checkpointer to open removes it
+        log.warning("could not remove what the failed save of step %d wrote: %s", step, e)
 
 
 def _describe(ctx: SaveContext, staged: Staged) -> list[Block]:
@@ -149,7 +180,7 @@ def _describe(ctx: SaveContext, staged: Staged) -> list[Block]:
     if staged.ready is not None:
         staged.ready.synchronize()
     if ctx.comm.rank == 0 and not staged.skipped:
-        _clear(ctx.directory, staged.step)
+        _clear(ctx, staged.step, staged.rollback_from)
     sums: dict[str, dict[str, Any]] = {}
     blocks = []
     for key, t, offsets, shape in zip(
@@ -173,10 +204,16 @@ def _describe(ctx: SaveContext, staged: Staged) -> list[Block]:
     return blocks
 
 
-def _commit(ctx: SaveContext, step: int, plan: WritePlan, gathered: list[Any]) -> None:
-    """On rank 0: the manifest, from the plan and where every rank wrote its blocks."""
+def _commit(ctx: SaveContext, info: Info, plan: WritePlan, gathered: list[Any]) -> None:
+    """On rank 0: the step's info for retention, then the manifest, from the plan and
+    where every rank wrote its blocks."""
     if ctx.comm.rank != 0:
         return
+    step = info.step
+    ctx.directory.storage.write(
+        f"{step_dir(step)}/{INFO}",
+        [json.dumps({"created": info.created, "metric": info.metric}).encode()],
+    )
     files: dict[str, int] = {}
     trees: list[dict[str, Any]] = []
     rank_objects: list[int] = []
@@ -191,7 +228,7 @@ def _commit(ctx: SaveContext, step: int, plan: WritePlan, gathered: list[Any]) -
     manifest = Manifest(
         step=step,
         world_size=ctx.comm.world_size,
-        created=time.time(),
+        created=info.created,
         tensors=plan.tensors,
         objects=trees,
         rank_objects=rank_objects,
@@ -200,13 +237,32 @@ def _commit(ctx: SaveContext, step: int, plan: WritePlan, gathered: list[Any]) -
     ctx.directory.commit(manifest)
 
 
-def _clear(directory: Directory, step: int) -> None:
-    """Before saving ``step``: refuse to replace it if committed; remove uncommitted
-    leftovers of earlier crashed saves (nobody can be writing them: saves are collective,
-    persisted one at a time, and this one has not begun)."""
-    if directory.is_committed(step):
+def _clear(ctx: SaveContext, step: int, base: int | None) -> None:
+    """Before saving ``step``, on rank 0, from the index (no listing): refuse to replace a
+    committed step, or to save below the newest committed one, unless this job restored
+    an older step on purpose (``base``): the steps above that one are then an
+    abandoned future, retired here, newest first (see the README, "Steps that go
+    backwards"). Nobody can be writing them: saves are persisted one at a time."""
+    known = ctx.collector.known()
+    if base is not None and (abandoned := [s for s in known if s > base]):
+        log.warning(
+            "%s: saving step %d after restoring step %d: retiring the steps of the "
+            "abandoned run above it: %s", ctx.directory, step, base, abandoned,
+        )  # fmt: skip
+        worker.event("rollback", step=step, restored=base, retired=abandoned)
+        for old in reversed(abandoned):
+            ctx.directory.delete(old)
+            ctx.collector.forget(old)
+        known = [s for s in known if s <= base]
+    where = ctx.directory.path
+    if step in known or ctx.directory.is_committed(step):  # one request: another writer
         raise CheckpointError(
-            f"{directory.path}: step {step} is already committed; save under a new step, "
+            f"{where}: step {step} is already committed; save under a new step, "
             f"or delete {step_dir(step)} first"
         )
-    directory.clear_leftovers()
+    if known and step < known[-1]:
+        raise CheckpointError(
+            f"{where}: step {step} is below the newest committed step {known[-1]}; a job "
+            f"that rolls back restores the step it goes back to first (restore(state, "
+            f"step=...)), and its next save then retires the steps above it"
+        )

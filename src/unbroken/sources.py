@@ -27,7 +27,7 @@ import torch
 from unbroken import replicas
 from unbroken.directory import Directory
 from unbroken.dist import Comm
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Chunk, Manifest, TensorEntry, step_dir, verify_block
 from unbroken.memory import Slots
 from unbroken.shards import byte_view, fill_regions, read_many
@@ -49,12 +49,14 @@ class Origin:
 
 @dataclass(frozen=True)
 class Restored:
-    """What a restore loaded: the step, and where each rank's state came from
-    (``origins[r]`` for rank r; the same on every rank)."""
+    """What a restore loaded: the step, where each rank's state came from
+    (``origins[r]`` for rank r; the same on every rank), and the copies it fell back
+    from."""
 
     step: int
     origins: tuple[Origin, ...]
     rank: int
+    damaged: tuple[Origin, ...] = ()  # newer copies passed over: they failed verification
 
     @property
     def origin(self) -> Origin:
@@ -131,12 +133,12 @@ class _Files:
             try:
                 size = self.storage.size(f"{self.folder}/{file}")
             except FileNotFoundError:
-                raise CheckpointError(
+                raise CorruptCheckpointError(
                     f"{self.where}/{file} is missing; the checkpoint is damaged. Restore an "
                     "earlier step (see `unbroken ls`)"
                 ) from None
             if size != manifest.files[file]:
-                raise CheckpointError(
+                raise CorruptCheckpointError(
                     f"{self.where}/{file} is {size} bytes but was written with "
                     f"{manifest.files[file]}: it is truncated or damaged. Restore an "
                     "earlier step (see `unbroken ls`)"
