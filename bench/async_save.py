@@ -35,6 +35,7 @@ from async_save_report import report
 from async_save_run import worker
 from common import (
     DiskConfig,
+    check_limits,
     disk_config,
     free_port,
     print_result,
@@ -61,7 +62,12 @@ def main() -> None:
         memory = measure_memory(cfg)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print_result(report(cfg, raw, memory))
+    result = report(cfg, raw, memory)
+    print_result(result)
+    # durable: speed over the fastest raw writer's; blocking: a copy cannot beat memcpy
+    memcpy = result["limits"]["memcpy_ms"]
+    blocking = {f"blocking {m}": memcpy / v["best"] for m, v in result["blocking_ms"].items()}
+    check_limits(result["durable_of_write_limit"] | blocking, "bench/async_save.py")
 
 
 def measure_memory(cfg: DiskConfig) -> dict[str, list[dict[str, object]]]:

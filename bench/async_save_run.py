@@ -34,6 +34,7 @@ from common import (
     raw_write,
     rotated,
     settle,
+    striped_write,
     timed,
 )
 
@@ -177,12 +178,16 @@ class AsyncRank:
         fresh.clear()  # freed off the clock, as a save frees its staging copy later
         plain = f"{fresh_dir(root / 'raw' / str(rep))}/rank{rank}.bin"
         early = f"{fresh_dir(root / 'raw' / f'{rep}-early')}/rank{rank}.bin"
-        writers = [("write_fsync", plain, False), ("write_fsync_early", early, True)]
-        for i, (name, where, early_writeback) in enumerate(writers[:: 1 if rep % 2 else -1]):
-            if i:  # alternate the order; the first one follows the last method's settle
+        striped = f"{fresh_dir(root / 'raw' / f'{rep}-striped')}/rank{rank}.bin"
+        writers = [
+            ("write_fsync", lambda: raw_write(plain, flat_mv)),
+            ("write_fsync_early", lambda: raw_write(early, flat_mv, True)),
+            ("write_fsync_striped", lambda: striped_write(striped, flat_mv)),
+        ]
+        for i, (name, write) in enumerate(rotated(writers, rep)):
+            if i:  # the order rotates; the first one follows the last method's settle
                 self.settle()
-            seconds = timed(lambda: raw_write(where, flat_mv, early_writeback))  # noqa: B023
-            self.record(f"durable.{name}", seconds)
+            self.record(f"durable.{name}", timed(write))
 
     def round_trip(self, method: str, start: Callable[[], Pending]) -> None:
         """One save, timed until it returns and until it is committed."""
