@@ -2,8 +2,9 @@
 
 A process that crashes and is restarted on the same node finds its state here and
 restores without touching storage; a rank whose whole node was lost gets its state back
-from the replica a peer on another node holds. Every copy lives in a pair of slots,
-written alternately, so a crash in the middle of a copy never destroys the last good one:
+from the replica a peer on another node holds. Every copy lives in one of a few slots
+(three for a rank's own, two for a replica), and a new copy never overwrites the newest
+whole one, so a crash in the middle of a copy never destroys the last good one:
 
     <root>/<job>/rank-00003/slot-0.bin            rank 3's own snapshot: tensor bytes
     <root>/<job>/rank-00003/slot-0.json           what they are, written last
@@ -23,27 +24,41 @@ import json
 import logging
 import os
 import shutil
-import time
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import Chunk, Manifest, TensorEntry, checksum, dtype_name, verify_block
-from unbroken.shards import byte_view, packed
+from unbroken.format import Manifest, verify_block
+from unbroken.placement import partners, replica_layout
+from unbroken.shards import byte_view
+
+__all__ = ["OWN_SLOTS", "MemoryTier", "Slots", "partners", "replica_layout"]
 
 log = logging.getLogger("unbroken")
 
+# A rank's own snapshots: the newest whole one, one being checksummed or replicated in the
+# background, and one the next snapshot copies into without waiting (unbroken.snapshots).
+# The third is mapped only when a snapshot comes while the one before is still in flight.
+OWN_SLOTS = 3
+
 
 class Slots:
-    """Two alternating slots in one directory, holding snapshots of rank ``owner``."""
+    """``count`` slots in one directory, holding snapshots of rank ``owner``: a new one
+    never overwrites the newest whole slot, nor one still being written (see `release`)."""
 
-    def __init__(self, directory: str, job: str, owner: int, world_size: int) -> None:
+    def __init__(
+        self, directory: str, job: str, owner: int, world_size: int, count: int = OWN_SLOTS
+    ) -> None:
         self.dir, self.job, self.owner, self.world_size = directory, job, owner, world_size
+        self.count = count
         os.makedirs(directory, exist_ok=True)
         self._buffers: dict[int, torch.Tensor] = {}
         self._published: dict[int, tuple[int, str]] = {}  # slot -> (step, manifest JSON)
+        self._writing: set[int] = set()  # begun, not yet released
+        self._lock = threading.Lock()  # a snapshot begins while the last one is published
         self.newest: int | None = None  # the slot holding the newest snapshot
         self._newest_known = False  # found on first write: verifying slots costs a pass
 
@@ -51,12 +66,19 @@ class Slots:
         return os.path.join(self.dir, f"slot-{slot}.{ext}")
 
     def begin(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """The slot to overwrite next, invalidated, with a mapped buffer of ``nbytes``."""
-        if not self._newest_known:
-            held = self.whole()
-            self.newest = held[max(held)][0] if held else None
-            self._newest_known = True
-        slot = 1 if self.newest == 0 else 0
+        """The slot to overwrite next, invalidated, with a mapped buffer of ``nbytes``: the
+        oldest of those neither newest nor being written, preferring slots already mapped
+        (a new one costs memory and page faults). It stays taken until `release`."""
+        with self._lock:
+            if not self._newest_known:
+                held = self.whole()
+                self.newest = held[max(held)][0] if held else None
+                self._newest_known = True
+            free = [s for s in range(self.count) if s != self.newest and s not in self._writing]
+            if not free:
+                raise CheckpointError(f"{self.dir}: every slot is in use; release one first")
+            slot = min(free, key=lambda s: (s not in self._buffers, self._step(s), s))
+            self._writing.add(slot)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(slot, "json"))  # from now on this slot is not whole
         current = self._buffers.get(slot)
@@ -68,6 +90,15 @@ class Slots:
             self._buffers[slot] = current
         return slot, current
 
+    def _step(self, slot: int) -> int:
+        published = self._published.get(slot)
+        return -1 if published is None else published[0]
+
+    def release(self, slot: int) -> None:
+        """``slot`` is no longer being written or sent: a later `begin` may take it."""
+        with self._lock:
+            self._writing.discard(slot)
+
     def publish(self, slot: int, manifest_json: str) -> None:
         """Describe ``slot``: from now on it counts. A manifest received from another
         slot pair is rewritten to name this slot's file."""
@@ -75,17 +106,18 @@ class Slots:
         file = os.path.basename(self._path(slot, "bin"))
         if set(manifest.files) != {file}:
             manifest_json = _renamed(manifest, file)
-        self._published[slot] = (manifest.step, manifest_json)
-        self._newest_known = True
         tmp = self._path(slot, "json.tmp")
         with open(tmp, "w") as f:
             json.dump({"job": self.job, "rank": self.owner, "manifest": manifest_json}, f)
         os.replace(tmp, self._path(slot, "json"))
-        self.newest = slot
+        with self._lock:
+            self._published[slot] = (manifest.step, manifest_json)
+            self._newest_known = True
+            self.newest = slot
 
     def raw(self, step: int) -> tuple[str, torch.Tensor]:
         """The manifest JSON and the bytes of the slot holding ``step``, to send."""
-        for slot in (0, 1):
+        for slot in range(self.count):
             published = self._published.get(slot)
             if published is None:
                 manifest = self._load(slot)
@@ -107,7 +139,7 @@ class Slots:
         """``{step: (slot, manifest)}`` for every whole slot of this job, rank and world
         size. Their bytes are not checked here: see `intact`."""
         found = {}
-        for slot in (0, 1):
+        for slot in range(self.count):
             manifest = self._load(slot)
             if manifest is not None:
                 found[manifest.step] = (slot, manifest)
@@ -169,7 +201,8 @@ class MemoryTier:
         self.job, self.rank, self.world_size = job, rank, world_size
         self.root = os.path.join(root, _safe(job))
         _clean_abandoned(root, job)
-        self.own = Slots(os.path.join(self.root, f"rank-{rank:05d}"), job, rank, world_size)
+        own = os.path.join(self.root, f"rank-{rank:05d}")
+        self.own = Slots(own, job, rank, world_size)
         self.dir = self.own.dir
         self._replicas: dict[int, Slots] = {}
         self._others: dict[str, Slots] = {}  # folders of other rank numbers, by path
@@ -183,39 +216,22 @@ class MemoryTier:
         tree: dict[str, Any],
     ) -> None:
         """Copy ``(key, local block, offsets, global shape)`` blocks and the JSON ``tree``
-        into the own slot that does not hold the newest snapshot."""
-        starts, total = packed(t.nbytes for _, t, _, _ in blocks)
-        slot, buffer = self.own.begin(total)
-        file = f"slot-{slot}.bin"
-        tensors = {}
-        for (key, t, offsets, shape), start in zip(blocks, starts, strict=True):
-            view = buffer[start : start + t.nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            chunk = Chunk(
-                offsets=list(offsets),
-                shape=list(t.shape),
-                file=file,
-                start=start,
-                end=start + t.nbytes,
-                xxh3=checksum(byte_view(view)),
-            )
-            tensors[key] = TensorEntry(dtype=dtype_name(t.dtype), shape=list(shape), chunks=[chunk])
-        manifest = Manifest(
-            step=step,
-            world_size=self.world_size,
-            created=time.time(),
-            tensors=tensors,
-            objects=[tree],
-            rank_objects=[0] * self.world_size,
-            files={file: buffer.numel()},
-        )
-        self.own.publish(slot, manifest.to_json().decode())
+        into a free own slot, checksum and publish it, all in this thread (a snapshot
+        takes the steps apart: see `unbroken.snapshots`)."""
+        from unbroken import snapshots
+
+        copied = snapshots.copy(self, step, blocks)
+        try:
+            snapshots.seal(self, copied, tree)
+        finally:
+            self.own.release(copied.slot)
 
     def replica(self, owner: int) -> Slots:
         """The slots holding this rank's replica of rank ``owner``'s snapshots."""
         if owner not in self._replicas:
             directory = os.path.join(self.root, "replicas", f"rank-{owner:05d}")
-            self._replicas[owner] = Slots(directory, self.job, owner, self.world_size)
+            # received on the save worker, one at a time, published before the next: two do
+            self._replicas[owner] = Slots(directory, self.job, owner, self.world_size, count=2)
         return self._replicas[owner]
 
     def copies(self) -> dict[int, list[Slots]]:
@@ -289,48 +305,6 @@ class MemoryTier:
         shutil.rmtree(self.own.dir, ignore_errors=True)
         for slots in self._replicas.values():
             shutil.rmtree(slots.dir, ignore_errors=True)
-
-
-def partners(nodes: Sequence[str], rank: int, copies: int) -> list[int]:
-    """The ranks that keep replicas of ``rank``'s snapshots: the rank with the same local
-    index on each of the next ``copies`` nodes. Replicas land on another node whenever
-    there is more than one; on a single node they go to other ranks of it. Pure:
-    ``nodes[r]`` names rank r's node."""
-    return _Nodes(nodes).partners(rank, copies)
-
-
-def replica_layout(nodes: Sequence[str], rank: int, copies: int) -> tuple[list[int], list[int]]:
-    """The ranks that keep replicas of ``rank``'s snapshots (see `partners`), and those
-    whose snapshots ``rank`` keeps replicas of. Pure: ``nodes[r]`` names rank r's node.
-    O(world * copies): it runs on every rank of a job of thousands."""
-    layout = _Nodes(nodes)
-    keeps = [r for r in range(len(nodes)) if rank in layout.partners(r, copies)]
-    return layout.partners(rank, copies), keeps
-
-
-class _Nodes:
-    """Ranks by node, computed once: `partners` is then O(copies)."""
-
-    def __init__(self, nodes: Sequence[str]) -> None:
-        self.nodes = nodes
-        self.order = list(dict.fromkeys(nodes))
-        self.position = {node: i for i, node in enumerate(self.order)}
-        self.ranks_on: dict[str, list[int]] = {node: [] for node in self.order}
-        self.index: list[int] = []
-        for r, node in enumerate(nodes):
-            self.index.append(len(self.ranks_on[node]))
-            self.ranks_on[node].append(r)
-
-    def partners(self, rank: int, copies: int) -> list[int]:
-        world = len(self.nodes)
-        if len(self.order) == 1:
-            return [(rank + j) % world for j in range(1, 1 + min(copies, world - 1))]
-        mine = self.position[self.nodes[rank]]
-        chosen = []
-        for j in range(1, 1 + min(copies, len(self.order) - 1)):
-            peers = self.ranks_on[self.order[(mine + j) % len(self.order)]]
-            chosen.append(peers[self.index[rank] % len(peers)])
-        return chosen
 
 
 def _rank_of(name: str) -> int | None:
