@@ -140,6 +140,9 @@ class AsyncRank:
         # DCP's collectives run on a group of their own, apart from this script's barriers
         self.dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
         self.ckpt = unbroken.Checkpointer(self.root / "unbroken")  # collective; its own group
+        # what a training script does before its loop: staging allocated and touched in the
+        # background, so the first save blocks like the later ones (Checkpointer.prepare)
+        self.ckpt.prepare(self.state)
         self.trainer = Trainer(rank)
         self.samples: dict[str, list[float]] = {}
         self.unavailable: dict[str, str] = {}

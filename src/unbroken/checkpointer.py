@@ -221,6 +221,12 @@ class Checkpointer:
             handle.wait()
         return handle
 
+    def prepare(self, state: Mapping[str, Any]) -> None:
+        """Allocate and touch, in the background, the staging buffer of background saves
+        of ``state`` (whole: restored, or after a first step), so the first
+        ``save(blocking=False)`` blocks no longer than later ones (see `unbroken.staging`)."""
+        self._stager.reserve_for(state)
+
     def _submit(self, staged: saving.Staged, background: bool) -> PendingSave:
         future = self._worker.submit(self._persist, staged, background)
         handle = PendingSave(staged.step, future, self._seen)
@@ -284,12 +290,11 @@ class Checkpointer:
         coordination with other ranks. Restore uses it when every rank holds that step
         and it is at least as new as the newest checkpoint on storage.
 
-        Cheap enough for every step: this call only copies the state into a free slot;
-        checksumming and publishing the copy (only then can a restore use it), and with
-        ``replicas`` sending it to the peers (collective: every rank snapshots the same
-        steps), run in the background. The newest published snapshot is never
-        overwritten, and the next snapshot never waits for this one's replication (a
-        third slot; see `unbroken.snapshots` for the memory this costs)."""
+        Cheap enough for every step: it only copies ``state`` into a free slot. The
+        checksums and publishing (only then may a restore use it) and, with ``replicas``,
+        sending it to the peers (collective: every rank snapshots the same steps) run in
+        the background; the next snapshot never waits for them (a third slot: see
+        `unbroken.snapshots` for what it costs)."""
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
         worker.tick(step)
@@ -303,8 +308,7 @@ class Checkpointer:
         self._replicating = self._snapshots.take(step, state)
 
     def _snapshot_failed(self, step: int, error: BaseException) -> None:
-        """A snapshot's background work failed: logged, and kept for the next `snapshot`,
-        `save` or `wait`."""
+        """Logged, and kept for the next `snapshot`, `save` or `wait`."""
         if not self._closed:
             log.error("the snapshot of step %d failed: %s", step, error)
         with self._lock:
