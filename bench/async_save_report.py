@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from async_save_run import LABELS, TRAINED
+from async_save_snapshot import snapshot_rows
 from common import GIB, MIB, STREAMS, TARGET_OF_LIMIT, DiskConfig, new_table, show
 
 TARGET_VS_MEMCPY = 1.5  # blocking time at most this multiple of the memcpy limit
@@ -190,11 +191,14 @@ def report(
     """Print both tables; return the RESULT json."""
     f = Figures(cfg, raw["samples"], raw["unavailable"])
     of_limit: dict[str, float] = {}
-    speed = blocking_rows(f) + durable_rows(f, of_limit) + training_rows(f)
+    state_bytes = cfg.mib_per_rank * MIB
+    snap_rows, snapshots = snapshot_rows(f.best, f.median, f.memcpy, state_bytes)
+    speed = blocking_rows(f) + durable_rows(f, of_limit) + training_rows(f) + snap_rows
     rss: dict[str, dict[str, Any]] = {}
     mem_rows = memory_rows(f, memory, rss)
     print_tables(cfg, speed, mem_rows)
-    return result(f, of_limit, rss)
+    f.checks |= {f"snapshot_{k}": v for k, v in snapshots["pass"].items()}
+    return result(f, of_limit, rss) | {"snapshot_every_step": snapshots}
 
 
 def result(f: Figures, of_limit: dict[str, float], rss: dict[str, Any]) -> dict[str, Any]:

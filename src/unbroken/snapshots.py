@@ -3,7 +3,7 @@
 `Checkpointer.snapshot` keeps only the copy on the caller's thread: the state goes into a
 free shared-memory slot, a plain memcpy. Checksumming that copy and publishing it (the
 slot's JSON, written last: only then may a restore use it) run on a thread of their own,
-one snapshot after the other; replication to the peers then runs on the save worker, in
+one snapshot after the other (`Sealer`); replication to the peers then runs on the save worker, in
 the order the caller took the snapshots, so every rank issues the same collectives in the
 same order.
 
@@ -64,20 +64,34 @@ def blocks_of(state: Any) -> tuple[list[Block], dict[str, Any]]:
     return out, tree
 
 
-def copy(memory: MemoryTier, step: int, blocks: Sequence[Block]) -> Copied:
-    """Copy ``blocks`` into a free own slot (taken until ``memory.own.release``)."""
-    starts, total = packed(t.nbytes for _, t, _, _ in blocks)
+def copy(
+    memory: MemoryTier, step: int, blocks: Sequence[Block], cache: dict[Any, Any] | None = None
+) -> Copied:
+    """Copy ``blocks`` into a free own slot (taken until ``memory.own.release``). With a
+    ``cache`` (the same dict on every call), a layout seen before reuses its offsets and
+    its views into a slot: a snapshot every step then costs little beyond the copy."""
+    cache = {} if cache is None else cache
+    layout = [(t.dtype, t.shape) for _, t, _, _ in blocks]
+    known = cache.get("layout")
+    if known is None or known[0] != layout:
+        known = cache["layout"] = (layout, *packed(t.nbytes for _, t, _, _ in blocks))
+    layout, starts, total = known
     slot, buffer = memory.own.begin(total)
     try:
-        views = []
-        for (key, t, offsets, shape), start in zip(blocks, starts, strict=True):
-            view = buffer[start : start + t.nbytes].view(t.dtype).view(t.shape)
+        hit = cache.get(slot)
+        if hit is None or hit[0] is not layout or hit[1] != buffer.data_ptr():
+            views = [
+                buffer[start : start + t.nbytes].view(t.dtype).view(t.shape)
+                for (_, t, _, _), start in zip(blocks, starts, strict=True)
+            ]
+            hit = cache[slot] = (layout, buffer.data_ptr(), views)
+        for view, (_, t, _, _) in zip(hit[2], blocks, strict=True):
             view.copy_(t)
-            views.append((key, view, offsets, shape))
     except BaseException:
         memory.own.release(slot)
         raise
-    return Copied(step, slot, buffer.numel(), views, starts)
+    copied = [(key, v, o, shape) for v, (key, _, o, shape) in zip(hit[2], blocks, strict=True)]
+    return Copied(step, slot, buffer.numel(), copied, starts)
 
 
 def seal(memory: MemoryTier, copied: Copied, tree: dict[str, Any]) -> None:
@@ -123,8 +137,9 @@ class Snapshots:
     ) -> None:
         self.memory, self._comm, self._worker = memory, comm, worker
         self._partners, self._sources, self._failed = partners, sources, failed
-        self._sealed: Future[None] | None = None  # the newest snapshot's seal
+        self._sealer = Sealer()
         self._holding: list[Future[None]] = []  # jobs holding an own slot, oldest first
+        self._cache: dict[Any, Any] = {}  # see `copy`
 
     @property
     def replicated(self) -> bool:
@@ -138,36 +153,28 @@ class Snapshots:
         while len(self._holding) > OWN_SLOTS - 2:
             wait_for([self._holding.pop(0)], f"snapshot of step {step}: waiting for a slot")
         blocks, tree = blocks_of(state)
-        copied = copy(self.memory, step, blocks)
+        copied = copy(self.memory, step, blocks, self._cache)
         sealed: Future[None] = Future()
-        threading.Thread(
-            target=self._seal,
-            args=(copied, tree, self._sealed, sealed),
-            name=f"unbroken-snapshot-{step}",
-            daemon=True,
-        ).start()
-        self._sealed = sealed
+        self._sealer.submit(self._seal, copied, tree, sealed)
         last = self._worker.submit(self._replicate, copied, sealed) if self.replicated else sealed
         self._holding.append(last)
         return last
 
-    def _seal(
-        self, copied: Copied, tree: dict[str, Any], before: Future[None] | None,
-        sealed: Future[None],
-    ) -> None:  # fmt: skip
-        """Runs on a thread of its own: publish after the snapshot before (the newest
-        slot must hold the newest step), then say so."""
-        if before is not None:
-            futures.wait([before])
+    def _seal(self, copied: Copied, tree: dict[str, Any], sealed: Future[None]) -> None:
+        """Runs on the sealer, in the order of the snapshots: the newest published slot
+        holds the newest step."""
+        error: BaseException | None = None
         try:
             seal(self.memory, copied, tree)
-            sealed.set_result(None)
         except BaseException as e:
             self._failed(copied.step, e)
-            sealed.set_exception(e)
-        finally:
-            if not self.replicated:
-                self.memory.own.release(copied.slot)
+            error = e
+        if not self.replicated:  # free before saying so: the next snapshot may take it
+            self.memory.own.release(copied.slot)
+        if error is None:
+            sealed.set_result(None)
+        else:
+            sealed.set_exception(error)
 
     def _replicate(self, copied: Copied, sealed: Future[None]) -> None:
         """Runs on the save worker, in the order of the snapshots (every rank issues the
@@ -184,3 +191,36 @@ class Snapshots:
             raise
         finally:
             self.memory.own.release(copied.slot)
+
+
+class Sealer:
+    """One thread running the calls given to it in order, started on demand and gone
+    after ``IDLE_S`` without work: no thread outlives a checkpointer for long, and a
+    snapshot every step never pays for starting one (milliseconds on a busy machine)."""
+
+    IDLE_S = 30.0
+
+    def __init__(self) -> None:
+        self._queue: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        self._cond = threading.Condition()
+        self._running = False
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._cond:
+            self._queue.append((fn, args))
+            self._cond.notify()
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._run, name="unbroken-snapshots", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(self.IDLE_S)
+                if not self._queue:
+                    self._running = False
+                    return
+                fn, args = self._queue.pop(0)
+            fn(*args)  # the calls catch their own errors (see Snapshots._seal)
