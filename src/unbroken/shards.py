@@ -148,7 +148,14 @@ def read_many(
 ) -> None:  # fmt: skip
     """Read whole chunks into ``out`` tensors (contiguous, CPU, the chunk's dtype and
     shape), verifying each unless ``verify=False``; runs of small neighbouring chunks go
-    in one request."""
+    in one request. On storage that takes many requests at once (object stores), reads
+    are coalesced across whole files instead (`unbroken.coalesce`)."""
+    part_size = getattr(storage, "part_size", None)
+    if storage.requests_in_flight > 1 and part_size:
+        from unbroken.coalesce import read_coalesced
+
+        read_coalesced(storage, folder, items, threads, part_size, verify)
+        return
     ordered = sorted(items, key=lambda item: (item[2].file, item[2].start))
     jobs: list[list[tuple[str, TensorEntry, Chunk, torch.Tensor]]] = []
     for item in ordered:
