@@ -159,15 +159,15 @@ def test_restore_coalesces_reads_across_tensors_and_counts_requests(bucket):
     state = {f"t{i:02d}": torch.randn(327_680) for i in range(40)}  # 40 x 1.25 MiB
     ckpt = Checkpointer(uri, storage_options=options)
     ckpt.save(1, state)
-    saved = ckpt.storage.requests.copy()
+    saved = ckpt.storage.requests.copy()  # type: ignore[attr-defined]
     assert saved["PUT"] >= 4 and saved["POST"] >= 2  # multipart parts, create + complete
     fresh = {k: torch.zeros_like(v) for k, v in state.items()}
     reader = Checkpointer(uri, storage_options=options)
     assert reader.restore(fresh) == 1
     assert all(torch.equal(fresh[k], state[k]) for k in state)
-    # 50 MiB in pieces sized to fill 16 requests in flight, across tensor boundaries:
-    # ~16 ranged GETs (plus the manifest's), not one per tensor
-    assert reader.storage.requests["GET"] <= 16 + 3, reader.storage.requests
+    # 50 MiB in pieces of 8 MiB or the part size, whichever is less, across tensor
+    # boundaries: 7 to 10 ranged GETs (plus the manifest's), not one per tensor
+    assert reader.storage.requests["GET"] <= 10 + 3, reader.storage.requests  # type: ignore[attr-defined]
 
 
 def test_coalesced_pieces_cover_every_chunk_byte_exactly_once():
