@@ -35,13 +35,13 @@ from async_save_report import report
 from async_save_run import worker
 from common import (
     DiskConfig,
-    check_limits,
     disk_config,
     free_port,
     print_result,
     read_back,
     run_ranks,
 )
+from limits import check_limits
 
 # DCP's process-mode daemon (which imports this file) logs every request at INFO on stderr
 logging.disable(logging.INFO)

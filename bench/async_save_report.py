@@ -10,7 +10,8 @@ from typing import Any
 
 from async_save_run import LABELS, TRAINED
 from async_save_snapshot import snapshot_rows
-from common import GIB, MIB, STREAMS, TARGET_OF_LIMIT, DiskConfig, new_table, show
+from common import GIB, MIB, TARGET_OF_LIMIT, DiskConfig, new_table, show
+from limits import STREAMS
 
 TARGET_VS_MEMCPY = 1.5  # blocking time at most this multiple of the memcpy limit
 TARGET_VS_DCP = 1 / 3  # ... and at most this fraction of DCP's blocking time

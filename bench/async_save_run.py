@@ -35,9 +35,9 @@ from common import (
     raw_write,
     rotated,
     settle,
-    striped_write,
     timed,
 )
+from limits import striped_write
 
 WAIT_S = 120.0  # longest wait for a background save; a hang fails the run instead
 # the training stand-in: LAYERS x REPEAT single-threaded (BATCH x HIDDEN) @ (HIDDEN x HIDDEN)

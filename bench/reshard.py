@@ -54,8 +54,6 @@ import unbroken
 from common import (
     GIB,
     MIB,
-    STREAMS,
-    check_limits,
     evict,
     free_port,
     hand_back,
@@ -68,6 +66,7 @@ from common import (
     run_ranks,
     timed,
 )
+from limits import STREAMS, check_limits
 from reshard_report import report
 from s3_clients import Server, boto3_client, remove_bucket
 from s3_servers import start_moto, start_rgw

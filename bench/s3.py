@@ -55,7 +55,8 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from common import MIB, check_limits, free_port, print_result, read_back, run_ranks
+from common import MIB, free_port, print_result, read_back, run_ranks
+from limits import check_limits
 from s3_clients import REGION, Server, boto3_client, remove_bucket
 from s3_methods import S3Config, worker
 from s3_report import report

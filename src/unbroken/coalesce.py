@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from unbroken.blockio import _read, _verify, byte_view
 from unbroken.format import Chunk, TensorEntry
-from unbroken.shards import _read, _verify, byte_view
 from unbroken.storage import Storage
 
 GAP_BYTES = 256 << 10  # bytes between two blocks read and dropped rather than split a run

@@ -25,17 +25,23 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import Manifest, verify_block
+from unbroken.format import Chunk, Manifest, TensorEntry, checksum, dtype_name, verify_block
+from unbroken.memory_paths import clean_abandoned, rank_of, safe
 from unbroken.placement import partners, replica_layout
-from unbroken.shards import byte_view
+from unbroken.shards import byte_view, packed
 
-__all__ = ["OWN_SLOTS", "MemoryTier", "Slots", "partners", "replica_layout"]
+__all__ = [
+    "OWN_SLOTS", "Block", "Copied", "MemoryTier", "Slots", "copy", "partners", "replica_layout",
+    "seal",
+]  # fmt: skip
 
 log = logging.getLogger("unbroken")
 
@@ -43,6 +49,7 @@ log = logging.getLogger("unbroken")
 # background, and one the next snapshot copies into without waiting (unbroken.snapshots).
 # The third is mapped only when a snapshot comes while the one before is still in flight.
 OWN_SLOTS = 3
+Block = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]  # key, data, offsets, shape
 
 
 class Slots:
@@ -193,14 +200,26 @@ class Slots:
         return manifest
 
 
+@dataclass
+class Copied:
+    """A snapshot copied into own slot ``slot``, not yet checksummed nor published:
+    ``blocks`` hold the views into the slot's buffer, ``starts`` their byte offsets."""
+
+    step: int
+    slot: int
+    size: int
+    blocks: list[Block]
+    starts: list[int]
+
+
 class MemoryTier:
     """The shared-memory snapshots of one rank of one job, and the replicas it keeps for
     its peers."""
 
     def __init__(self, root: str, job: str, rank: int, world_size: int) -> None:
         self.job, self.rank, self.world_size = job, rank, world_size
-        self.root = os.path.join(root, _safe(job))
-        _clean_abandoned(root, job)
+        self.root = os.path.join(root, safe(job))
+        clean_abandoned(root, job)
         own = os.path.join(self.root, f"rank-{rank:05d}")
         self.own = Slots(own, job, rank, world_size)
         self.dir = self.own.dir
@@ -209,20 +228,13 @@ class MemoryTier:
         with open(os.path.join(self.root, f"owner-{rank:05d}"), "w") as f:
             f.write(str(os.getpid()))
 
-    def write(
-        self,
-        step: int,
-        blocks: Sequence[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]],
-        tree: dict[str, Any],
-    ) -> None:
+    def write(self, step: int, blocks: Sequence[Block], tree: dict[str, Any]) -> None:
         """Copy ``(key, local block, offsets, global shape)`` blocks and the JSON ``tree``
         into a free own slot, checksum and publish it, all in this thread (a snapshot
         takes the steps apart: see `unbroken.snapshots`)."""
-        from unbroken import snapshots
-
-        copied = snapshots.copy(self, step, blocks)
+        copied = copy(self, step, blocks)
         try:
-            snapshots.seal(self, copied, tree)
+            seal(self, copied, tree)
         finally:
             self.own.release(copied.slot)
 
@@ -247,7 +259,7 @@ class MemoryTier:
             except FileNotFoundError:
                 continue
             for name in names:
-                owner = _rank_of(name)
+                owner = rank_of(name)
                 if owner is None or owner >= self.world_size:
                     continue
                 found.setdefault(owner, []).append(self._slots(kind, name, owner))
@@ -307,12 +319,6 @@ class MemoryTier:
             shutil.rmtree(slots.dir, ignore_errors=True)
 
 
-def _rank_of(name: str) -> int | None:
-    if not name.startswith("rank-") or not name[5:].isdigit():
-        return None
-    return int(name[5:])
-
-
 def _renamed(manifest: Manifest, file: str) -> str:
     for entry in manifest.tensors.values():
         for chunk in entry.chunks:
@@ -322,37 +328,57 @@ def _renamed(manifest: Manifest, file: str) -> str:
     return manifest.to_json().decode()
 
 
-def _safe(job: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "job"
-
-
-def _clean_abandoned(root: str, job: str) -> None:
-    """Remove the shared memory of other jobs whose processes are all gone."""
+def copy(
+    memory: MemoryTier, step: int, blocks: Sequence[Block], cache: dict[Any, Any] | None = None
+) -> Copied:
+    """Copy ``blocks`` into a free own slot (taken until ``memory.own.release``). With a
+    ``cache`` (the same dict on every call), a layout seen before reuses its offsets and
+    its views into a slot: a snapshot every step then costs little beyond the copy."""
+    cache = {} if cache is None else cache
+    layout = [(t.dtype, t.shape) for _, t, _, _ in blocks]
+    known = cache.get("layout")
+    if known is None or known[0] != layout:
+        known = cache["layout"] = (layout, *packed(t.nbytes for _, t, _, _ in blocks))
+    layout, starts, total = known
+    slot, buffer = memory.own.begin(total)
     try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return
-    for name in names:
-        folder = os.path.join(root, name)
-        if name == _safe(job) or not os.path.isdir(folder):
-            continue
-        pids = []
-        for owner in (f for f in os.listdir(folder) if f.startswith("owner-")):
-            try:
-                with open(os.path.join(folder, owner)) as f:
-                    pids.append(int(f.read()))
-            except (OSError, ValueError):
-                continue
-        if pids and not any(_process_exists(pid) for pid in pids):
-            log.info("removing shared memory of abandoned job %s", name)
-            shutil.rmtree(folder, ignore_errors=True)
+        hit = cache.get(slot)
+        if hit is None or hit[0] is not layout or hit[1] != buffer.data_ptr():
+            views = [
+                buffer[start : start + t.nbytes].view(t.dtype).view(t.shape)
+                for (_, t, _, _), start in zip(blocks, starts, strict=True)
+            ]
+            hit = cache[slot] = (layout, buffer.data_ptr(), views)
+        for view, (_, t, _, _) in zip(hit[2], blocks, strict=True):
+            view.copy_(t)
+    except BaseException:
+        memory.own.release(slot)
+        raise
+    copied = [(key, v, o, shape) for v, (key, _, o, shape) in zip(hit[2], blocks, strict=True)]
+    return Copied(step, slot, buffer.numel(), copied, starts)
 
 
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+def seal(memory: MemoryTier, copied: Copied, tree: dict[str, Any]) -> None:
+    """Checksum the copy and publish its slot: from now on a restore may use it."""
+    file = f"slot-{copied.slot}.bin"
+    tensors = {}
+    for (key, view, offsets, shape), start in zip(copied.blocks, copied.starts, strict=True):
+        chunk = Chunk(
+            offsets=list(offsets),
+            shape=list(view.shape),
+            file=file,
+            start=start,
+            end=start + view.nbytes,
+            xxh3=checksum(byte_view(view)),
+        )
+        tensors[key] = TensorEntry(dtype=dtype_name(view.dtype), shape=list(shape), chunks=[chunk])
+    manifest = Manifest(
+        step=copied.step,
+        world_size=memory.world_size,
+        created=time.time(),
+        tensors=tensors,
+        objects=[tree],
+        rank_objects=[0] * memory.world_size,
+        files={file: copied.size},
+    )
+    memory.own.publish(copied.slot, manifest.to_json().decode())
