@@ -41,6 +41,7 @@ from common import (
     read_back,
     run_ranks,
 )
+from limits import check_limits
 
 # DCP's process-mode daemon (which imports this file) logs every request at INFO on stderr
 logging.disable(logging.INFO)
@@ -61,7 +62,13 @@ def main() -> None:
         memory = measure_memory(cfg)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print_result(report(cfg, raw, memory))
+    result = report(cfg, raw, memory)
+    print_result(result)
+    # durable: speed over the fastest raw writer's; blocking: a copy cannot beat memcpy
+    memcpy = result["limits"]["memcpy_ms"]
+    blocking = {f"blocking {m}": memcpy / v["best"] for m, v in result["blocking_ms"].items()}
+    blocking["blocking snapshot"] = memcpy / result["snapshot_every_step"]["blocking_ms"]["best"]
+    check_limits(result["durable_of_write_limit"] | blocking, "bench/async_save.py")
 
 
 def measure_memory(cfg: DiskConfig) -> dict[str, list[dict[str, object]]]:

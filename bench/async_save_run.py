@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 import unbroken
+from async_save_snapshot import SnapshotBench
 from common import (
     GIB,
     MIB,
@@ -36,6 +37,7 @@ from common import (
     settle,
     timed,
 )
+from limits import striped_write
 
 WAIT_S = 120.0  # longest wait for a background save; a hang fails the run instead
 # the training stand-in: LAYERS x REPEAT single-threaded (BATCH x HIDDEN) @ (HIDDEN x HIDDEN)
@@ -138,8 +140,12 @@ class AsyncRank:
         self.flat_mv = self.flat.numpy().data
         # DCP's collectives run on a group of their own, apart from this script's barriers
         self.dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
-        self.ckpt = unbroken.Checkpointer(self.root / "unbroken")  # collective; its own group
         self.trainer = Trainer(rank)
+        self.ckpt = unbroken.Checkpointer(self.root / "unbroken")  # collective; its own group
+        # what a training script does before its loop: staging allocated and touched in the
+        # background, so the first save blocks like the later ones (Checkpointer.prepare)
+        self.ckpt.prepare(self.state)
+        self.snapshots = SnapshotBench(str(self.root), self.state, self.trainer_step)
         self.samples: dict[str, list[float]] = {}
         self.unavailable: dict[str, str] = {}
         # a pause in proportion to the bytes just written (1 s per GiB, at most 1 s)
@@ -177,12 +183,16 @@ class AsyncRank:
         fresh.clear()  # freed off the clock, as a save frees its staging copy later
         plain = f"{fresh_dir(root / 'raw' / str(rep))}/rank{rank}.bin"
         early = f"{fresh_dir(root / 'raw' / f'{rep}-early')}/rank{rank}.bin"
-        writers = [("write_fsync", plain, False), ("write_fsync_early", early, True)]
-        for i, (name, where, early_writeback) in enumerate(writers[:: 1 if rep % 2 else -1]):
-            if i:  # alternate the order; the first one follows the last method's settle
+        striped = f"{fresh_dir(root / 'raw' / f'{rep}-striped')}/rank{rank}.bin"
+        writers = [
+            ("write_fsync", lambda: raw_write(plain, flat_mv)),
+            ("write_fsync_early", lambda: raw_write(early, flat_mv, True)),
+            ("write_fsync_striped", lambda: striped_write(striped, flat_mv)),
+        ]
+        for i, (name, write) in enumerate(rotated(writers, rep)):
+            if i:  # the order rotates; the first one follows the last method's settle
                 self.settle()
-            seconds = timed(lambda: raw_write(where, flat_mv, early_writeback))  # noqa: B023
-            self.record(f"durable.{name}", seconds)
+            self.record(f"durable.{name}", timed(write))
 
     def round_trip(self, method: str, start: Callable[[], Pending]) -> None:
         """One save, timed until it returns and until it is committed."""
@@ -247,6 +257,12 @@ class AsyncRank:
     def train_unbroken(self, rep: int) -> None:
         self.under_training("unbroken", lambda: save_unbroken(self.ckpt, 2000 + rep, self.state))
 
+    def trainer_step(self) -> float:
+        return self.trainer.step()
+
+    def snapshot_every_step(self, rep: int) -> None:
+        self.snapshots.measure(self.record)
+
     def train_dcp_thread(self, rep: int) -> None:
         path = fresh_dir(self.root / "train_dcp" / str(rep))
         mode, state, group = AsyncCheckpointerType.THREAD, self.state, self.dcp_group
@@ -262,6 +278,7 @@ class AsyncRank:
             self.limits,
             self.train_unbroken,
             self.train_dcp_thread,
+            self.snapshot_every_step,
         ]
         root = self.root
         junk = [root / sub for sub in ("raw", "dcp_thread", "dcp_process", "train_dcp")]
@@ -286,6 +303,7 @@ def worker(rank: int, cfg: DiskConfig) -> None:
     bench = AsyncRank(rank, cfg)
     hand_back(cfg.dir, bench.run())
     bench.ckpt.close()
+    bench.snapshots.close()
     leave_group()
     if "dcp_process" in bench.unavailable:
         # a daemon that never came up leaves DCP's executor thread waiting (30 min): go now

@@ -66,6 +66,7 @@ from common import (
     run_ranks,
     timed,
 )
+from limits import STREAMS, check_limits
 from reshard_report import report
 from s3_clients import Server, boto3_client, remove_bucket
 from s3_servers import start_moto, start_rgw
@@ -250,7 +251,8 @@ class RestoreRank:
                     if os.preadv(fds[file], [out[at : at + n]], offset) != n:
                         raise EOFError(file)
 
-                with ThreadPoolExecutor(self.cfg.io_threads) as pool:
+                # at least unbroken's readers: a limit never has less parallelism
+                with ThreadPoolExecutor(max(self.cfg.io_threads, STREAMS)) as pool:
                     list(pool.map(one, self.reads))
             finally:
                 for fd in fds.values():
@@ -359,10 +361,12 @@ def main() -> None:
             run_ranks(restore_worker, (world, cfg), world)
             runs[world] = read_back(workdir, f"restore-{world}.json")
     title = f"{cfg.mib} MiB saved on {SAVED_ON} ranks (Shard(0)), {cfg.repeats} repeats, {note}"
+    result = report(title, runs)
     print_result(
-        report(title, runs)
+        result
         | {"mib": cfg.mib, "saved_on": SAVED_ON, "io_threads": cfg.io_threads, "server": note}
     )
+    check_limits(result["fraction_of_limit"], "bench/reshard.py")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ def report(title: str, runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
     numeric = ("GiB/s", "median", "of limit")
     table = new_table(title, caption, [(c, "right" if c in numeric else "left") for c in COLUMNS])
     result: dict[str, Any] = {"statistic": "best of repeats", "runs": {}}
+    fraction: dict[str, float] = {}
     for world, raw in runs.items():
         best = {k: max(v) for k, v in raw["samples"].items()}
         median = {k: statistics.median(v) for k, v in raw["samples"].items()}
@@ -32,6 +33,10 @@ def report(title: str, runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
                 figures = _figures(f"{storage} {method}", best, median, limit)
                 target = _target(storage, method, best, limit, met)
                 table.add_row(str(world), storage, method, *figures, target)
+                if method != "limit" and f"{storage} {method}" in best:
+                    fraction[f"{world} ranks {storage} {method}"] = (
+                        best[f"{storage} {method}"] / limit
+                    )
         result["runs"][str(world)] = {
             "gib_per_s": best,
             "median_gib_per_s": median,
@@ -42,6 +47,7 @@ def report(title: str, runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
     result["targets_met"] = all(
         m for r in result["runs"].values() for m in r["targets_met"].values()
     )
+    result["fraction_of_limit"] = fraction
     show(150, table)
     return result
 

@@ -56,6 +56,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from common import MIB, free_port, print_result, read_back, run_ranks
+from limits import check_limits
 from s3_clients import REGION, Server, boto3_client, remove_bucket
 from s3_methods import S3Config, worker
 from s3_report import report
@@ -125,7 +126,9 @@ def main() -> None:
         run_ranks(worker, (cfg,), cfg.ranks)
         others = audit.others()
         raw = read_back(workdir)
-    print_result(report(cfg, raw, note, others) | {"load_average_before": load})
+    result = report(cfg, raw, note, others)
+    print_result(result | {"load_average_before": load})
+    check_limits(result["fraction_of_limit"], "bench/s3.py")
 
 
 def start_server(

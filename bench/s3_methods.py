@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -112,6 +113,7 @@ class S3Rank:
         self.samples: dict[str, list[float]] = {}
         self.fetched_bytes: dict[str, list[int]] = {}
         self.small_get_ms: list[float] = []
+        self.requests: dict[str, dict[str, int]] = {}  # unbroken's last save and restore
         self.connector: dict[str, Any] = {}  # where the connector runs, or why not
         self.dcp: Connector | None = None  # the one the connector rows use
         self.dcp_s3 = self.s3  # a boto3 client on the same server, to delete its objects
@@ -192,12 +194,24 @@ class S3Rank:
                 self.small_get_ms.append((time.perf_counter() - start) * 1000)
         self.clear("raw/")
 
+    def requests_so_far(self) -> Counter[str]:
+        """HTTP requests unbroken's storage has issued on this rank, by method."""
+        return Counter(self.ckpt.storage.requests)  # type: ignore[attr-defined]
+
     def unbroken_ckpt(self, rep: int) -> None:
         step = 1000 + rep
+        before = self.requests_so_far()
         self.record("unbroken_save", timed(lambda: self.ckpt.save(step, self.state)))
+        saved = self.requests_so_far()
         self.zero(self.tensors)
         got: list[int | None] = []
         self.record("unbroken_restore", timed(lambda: got.append(self.ckpt.restore(self.state))))
+        mine = {"save": dict(saved - before), "restore": dict(self.requests_so_far() - saved)}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)  # all ranks' requests, summed by method
+        self.requests = {
+            op: dict(sum((Counter(r[op]) for r in everyone), Counter())) for op in mine
+        }
         if got != [step]:
             raise AssertionError(f"unbroken restore returned step {got}, saved {step}")
         verify(self.tensors, self.reference, "unbroken restore")
@@ -327,6 +341,7 @@ class S3Rank:
             "fetched_bytes": self.fetched_bytes,
             "small_get_ms": self.small_get_ms,
             "connector": self.connector,
+            "requests": self.requests,
         }
 
     def close(self) -> None:

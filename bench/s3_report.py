@@ -43,7 +43,11 @@ def report(
     rows.append(row("limit: obstore, parallel", "PUT", *put))
     latency = f"one {SMALL // 1024} KiB GET: {small_get_ms:.1f} ms (median)"
     rows.append(row("", "GET", fmt(best["raw_get"]), fmt(median["raw_get"]), target=latency))
+    ours = len(rows)  # unbroken's save and restore rows come next
     rows += method_rows(cfg, connector, best, median, limit, fraction, vs_boto3, passed)
+    for at, op in ((ours, "save"), (ours + 1, "restore")):
+        cell = requests_cell(raw["requests"].get(op, {}))
+        rows[at] = (*rows[at][:6], cell, rows[at][7])
     fetched: dict[str, int] = {}
     rows += replicated_rows(cfg, raw["fetched_bytes"], best, median, fetched)
 
@@ -66,6 +70,8 @@ def report(
         "targets": {"of_limit": TARGET_OF_LIMIT, "vs_boto3": TARGET_VS_BOTO3},
         "passed": passed,
         "connector": connector,
+        "requests_per_save": raw["requests"].get("save", {}),
+        "requests_per_restore": raw["requests"].get("restore", {}),
         "versions": versions(),
         "other_processes_cpu": others,
         "replicated": {
@@ -151,6 +157,12 @@ def replicated_rows(
     return rows
 
 
+def requests_cell(counts: dict[str, int]) -> str:
+    """``N requests (GET a, PUT b...)``: all ranks' HTTP requests for one save or restore."""
+    detail = ", ".join(f"{m} {n}" for m, n in sorted(counts.items()))
+    return f"{sum(counts.values())} requests ({detail})" if counts else ""
+
+
 def public(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` without credentials (a server of the user's may be behind them)."""
     for server in (config["server"], config["moto"]):
@@ -168,7 +180,8 @@ def print_table(
         f"S3: {cfg.ranks} ranks x {cfg.mib_per_rank} MiB, {cfg.repeats} repeats, {server_note}",
         "aggregate GiB/s (all ranks' bytes / slowest rank), best and median of repeats; "
         "'of raw' = % of obstore PUT (saves) or GET (restores); replicated restores: GiB/s of "
-        "the bytes all ranks hold, 'fetched' = bytes GET from storage (x the stored size)"
+        "the bytes all ranks hold, 'fetched' = bytes GET from storage (x the stored size); "
+        "requests: all ranks' HTTP requests for one unbroken save or restore, by method"
         + (
             f"; the server runs on this {os.cpu_count()}-core VM and shares its CPUs with the ranks"
             if cfg.server.kind != "external"
@@ -183,7 +196,7 @@ def print_table(
             ("median", "right"),
             ("of raw", "right"),
             ("vs boto3", "right"),
-            ("fetched", "right"),
+            ("fetched / requests", "right"),
             ("target", "left"),
         ],
     )

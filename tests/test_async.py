@@ -75,6 +75,29 @@ def test_the_staging_buffer_is_allocated_once_and_reused(tmp_path):
     assert ckpt._stager._free == [arena]
 
 
+def test_prepare_stages_ahead_and_the_first_save_reuses_it(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    state = {"w": torch.randn(1 << 16), "b": torch.randn(10)}
+    assert ckpt._stager.nbytes == 0  # nothing held unasked
+    ckpt.prepare(state)
+    arena = ckpt._stager._free[0]
+    for _ in range(200):  # the reservation runs in the background
+        if not arena.reserving:
+            break
+        threading.Event().wait(0.05)
+    assert arena.buffer is not None and arena.nbytes >= (1 << 18) + 40
+    assert int(arena.buffer[::4096].count_nonzero()) == 0  # touched: zeroed page by page
+    pointer = arena.buffer.data_ptr()
+    expected = {k: v.clone() for k, v in state.items()}
+    ckpt.save(1, state, blocking=False)
+    state["w"].add_(1)  # the copy was taken: this change is not in step 1
+    ckpt.wait()
+    assert arena.buffer.data_ptr() == pointer  # the first save allocated nothing
+    got = {"w": torch.zeros(1 << 16), "b": torch.zeros(10)}
+    assert Checkpointer(tmp_path).restore(got) == 1
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
 def test_a_background_failure_surfaces_and_the_last_checkpoint_stays_loadable(tmp_path, caplog):
     model = make_model()
     ckpt = Checkpointer(tmp_path)

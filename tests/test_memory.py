@@ -64,6 +64,7 @@ def test_a_crashed_process_restores_from_memory_without_touching_storage(tmp_pat
                                      memory_dir={str(tmp_path / "shm")!r}, job="job-a")
         train_steps(model, optim, 3)
         ckpt.snapshot(3, {{"model": model, "optim": optim}})
+        ckpt.wait()  # published: the checksum and the slot's JSON come in the background
         print(json.dumps(model[0].weight.flatten().tolist()), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
         """
@@ -90,6 +91,7 @@ def test_two_slots_a_damaged_newest_falls_back_to_the_other(tmp_path):
     for step in (1, 2, 3):
         train_steps(state["model"], state["optim"], 1)
         ckpt.snapshot(step, state)
+        ckpt.wait()  # each published before the next: two slots suffice, and alternate
         seen[step] = _weights(state)
     rank_dir = tmp_path / "shm" / "job-a" / "rank-00000"
     assert sorted(os.listdir(rank_dir)) == [
@@ -115,6 +117,7 @@ def test_a_half_written_slot_is_never_used(tmp_path):
     ckpt.snapshot(1, state)
     train_steps(state["model"], state["optim"], 1)
     ckpt.snapshot(2, state)
+    ckpt.wait()
     rank_dir = tmp_path / "shm" / "job-a" / "rank-00000"
     # A crash while step 3 is copied: its slot (step 1's) has lost its description.
     victim = _slot_of(rank_dir, 1)
@@ -123,7 +126,9 @@ def test_a_half_written_slot_is_never_used(tmp_path):
 
 
 def test_another_jobs_or_ranks_memory_is_never_used(tmp_path):
-    _ckpt(tmp_path, job="job-a").snapshot(4, _state())
+    first = _ckpt(tmp_path, job="job-a")
+    first.snapshot(4, _state())
+    first.wait()
     assert _ckpt(tmp_path, job="job-b").restore(_state()) is None  # a different job
     rank_dir = tmp_path / "shm" / "job-a" / "rank-00000"
     header = rank_dir / "slot-0.json"
@@ -144,6 +149,7 @@ def test_storage_wins_when_newer_memory_wins_when_newer(tmp_path):
     assert _ckpt(tmp_path).restore(fresh) == 6 and _equal(_weights(fresh), at_six)
     train_steps(state["model"], state["optim"], 1)
     ckpt.snapshot(7, state)
+    ckpt.wait()
     fresh = _state(seed=3)
     assert _ckpt(tmp_path).restore(fresh) == 7 and _equal(_weights(fresh), _weights(state))
     older = _ckpt(tmp_path)
@@ -181,6 +187,7 @@ def _ranks_job(
     ckpt.snapshot(1, state)
     state["w"] += 1
     ckpt.snapshot(2, state)
+    ckpt.wait()
     if rank == 1:  # rank 1 lost step 2 (its slot was being rewritten when it died)
         assert ckpt._memory is not None
         os.unlink(_slot_of(ckpt._memory.dir, 2))

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from unbroken import abort, placement, records, replicas, restoring, saving
+from unbroken import abort, records, restoring, saving, tiers
 from unbroken.background import PendingSave, SaveThread
 from unbroken.background import wait_for as _wait
 from unbroken.cadence import Cadence
@@ -25,12 +25,12 @@ from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.exiting import at_exit as _at_exit
 from unbroken.format import Manifest
-from unbroken.memory import MemoryTier
 from unbroken.options import Options
 from unbroken.policies import SavePolicy
 from unbroken.preemption import Preemption
 from unbroken.retention import KeepLast, Retention
 from unbroken.run import worker
+from unbroken.snapshots import Snapshots
 from unbroken.sources import Restored
 from unbroken.staging import Stager
 from unbroken.stepping import Stepper
@@ -98,8 +98,9 @@ class Checkpointer:
         self._rollback: int | None = None  # the step restored, until the next save
         self._stager = Stager(staging_buffers)
         self._replicating: Future[Any] | None = None
+        self._snapshots: Snapshots | None = None  # made by the first `snapshot`
         self._job = job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{self.path}"
-        where = placement.place(self._comm, self._job, memory, memory_dir, replicas)
+        where = tiers.place(self._comm, self._job, memory, memory_dir, replicas)
         self._memory = where.memory
         self._replica_partners = where.partners  # ranks that keep replicas of this rank
         self._replica_sources = where.sources  # ranks this rank keeps replicas of
@@ -194,6 +195,12 @@ class Checkpointer:
             handle.wait()
         return handle
 
+    def prepare(self, state: Mapping[str, Any]) -> None:
+        """Allocate and touch, in the background, the staging buffer of background saves
+        of ``state`` (whole: restored, or after a first step), so the first
+        ``save(blocking=False)`` blocks no longer than later ones (see `unbroken.staging`)."""
+        self._stager.reserve_for(state)
+
     def _submit(self, staged: saving.Staged, background: bool) -> PendingSave:
         future = self._worker.submit(self._persist, staged, background)
         handle = PendingSave(staged.step, future, self._seen)
@@ -256,39 +263,31 @@ class Checkpointer:
     def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
         """Keep ``state`` as ``step`` in this node's shared memory: no storage IO, and no
         coordination with other ranks. Restore uses it when every rank holds that step
-        and it is at least as new as the newest checkpoint on storage. The two newest
-        snapshots are kept; writing one never damages the other. With ``replicas``,
-        the snapshot then goes to the peers in the background (collective: every rank
-        snapshots the same steps); the next snapshot waits until that is done."""
+        and it is at least as new as the newest checkpoint on storage.
+
+        Cheap enough for every step: it only copies ``state`` into a free slot. The
+        checksums and publishing (only then may a restore use it) and, with ``replicas``,
+        sending it to the peers (collective: every rank snapshots the same steps) run in
+        the background; the next snapshot never waits for them (a third slot: see
+        `unbroken.snapshots` for what it costs)."""
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
         worker.tick(step)
         self._surface_failure()
-        if self._replicating is not None:
-            # The slot about to be overwritten may be the one still being sent.
-            _wait([self._replicating], f"snapshot of step {step}: waiting for replication")
-            self._surface_failure()
         self._stepper.observe(state, self._memory)
-        staged = saving.stage(step, state, arena=None)
-        blocks = zip(staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True)
-        self._memory.write(step, list(blocks), staged.tree)
-        if self._replica_partners or self._replica_sources:
-            self._replicating = self._worker.submit(self._replicate, self._memory, step)
+        if self._snapshots is None:
+            self._snapshots = Snapshots(
+                self._memory, self._comm, self._worker, self._replica_partners,
+                self._replica_sources, self._snapshot_failed,
+            )  # fmt: skip
+        self._replicating = self._snapshots.take(step, state)
 
-    def _replicate(self, memory: MemoryTier, step: int) -> None:
-        """Runs on the worker, like `_persist`; a failure is logged and kept for the next
-        `snapshot`, `save` or `wait`."""
-        try:
-            replicas.replicate(
-                self._comm, memory, step, self._replica_partners, self._replica_sources
-            )
-            memory.free_older(step)  # complete on every rank: older leftovers can go
-        except BaseException as e:
-            if not self._closed:
-                log.error("replicating the snapshot of step %d failed: %s", step, e)
-            with self._lock:
-                self._failure = (step, e)
-            raise
+    def _snapshot_failed(self, step: int, error: BaseException) -> None:
+        """Logged, and kept for the next `snapshot`, `save` or `wait`."""
+        if not self._closed:
+            log.error("the snapshot of step %d failed: %s", step, error)
+        with self._lock:
+            self._failure = (step, error)
 
     def step(self, step: int, state: Mapping[str, Any]) -> None:
         """Declare ``state`` complete at ``step``: call it after each optimizer step,

@@ -2,8 +2,9 @@
 
 A process that crashes and is restarted on the same node finds its state here and
 restores without touching storage; a rank whose whole node was lost gets its state back
-from the replica a peer on another node holds. Every copy lives in a pair of slots,
-written alternately, so a crash in the middle of a copy never destroys the last good one:
+from the replica a peer on another node holds. Every copy lives in one of a few slots
+(three for a rank's own, two for a replica), and a new copy never overwrites the newest
+whole one, so a crash in the middle of a copy never destroys the last good one:
 
     <root>/<job>/rank-00003/slot-0.bin            rank 3's own snapshot: tensor bytes
     <root>/<job>/rank-00003/slot-0.json           what they are, written last
@@ -23,27 +24,48 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Chunk, Manifest, TensorEntry, checksum, dtype_name, verify_block
+from unbroken.memory_paths import clean_abandoned, rank_of, safe
+from unbroken.placement import partners, replica_layout
 from unbroken.shards import byte_view, packed
+
+__all__ = [
+    "OWN_SLOTS", "Block", "Copied", "MemoryTier", "Slots", "copy", "partners", "replica_layout",
+    "seal",
+]  # fmt: skip
 
 log = logging.getLogger("unbroken")
 
+# A rank's own snapshots: the newest whole one, one being checksummed or replicated in the
+# background, and one the next snapshot copies into without waiting (unbroken.snapshots).
+# The third is mapped only when a snapshot comes while the one before is still in flight.
+OWN_SLOTS = 3
+Block = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]  # key, data, offsets, shape
+
 
 class Slots:
-    """Two alternating slots in one directory, holding snapshots of rank ``owner``."""
+    """``count`` slots in one directory, holding snapshots of rank ``owner``: a new one
+    never overwrites the newest whole slot, nor one still being written (see `release`)."""
 
-    def __init__(self, directory: str, job: str, owner: int, world_size: int) -> None:
+    def __init__(
+        self, directory: str, job: str, owner: int, world_size: int, count: int = OWN_SLOTS
+    ) -> None:
         self.dir, self.job, self.owner, self.world_size = directory, job, owner, world_size
+        self.count = count
         os.makedirs(directory, exist_ok=True)
         self._buffers: dict[int, torch.Tensor] = {}
         self._published: dict[int, tuple[int, str]] = {}  # slot -> (step, manifest JSON)
+        self._writing: set[int] = set()  # begun, not yet released
+        self._lock = threading.Lock()  # a snapshot begins while the last one is published
         self.newest: int | None = None  # the slot holding the newest snapshot
         self._newest_known = False  # found on first write: verifying slots costs a pass
 
@@ -51,12 +73,19 @@ class Slots:
         return os.path.join(self.dir, f"slot-{slot}.{ext}")
 
     def begin(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """The slot to overwrite next, invalidated, with a mapped buffer of ``nbytes``."""
-        if not self._newest_known:
-            held = self.whole()
-            self.newest = held[max(held)][0] if held else None
-            self._newest_known = True
-        slot = 1 if self.newest == 0 else 0
+        """The slot to overwrite next, invalidated, with a mapped buffer of ``nbytes``: the
+        oldest of those neither newest nor being written, preferring slots already mapped
+        (a new one costs memory and page faults). It stays taken until `release`."""
+        with self._lock:
+            if not self._newest_known:
+                held = self.whole()
+                self.newest = held[max(held)][0] if held else None
+                self._newest_known = True
+            free = [s for s in range(self.count) if s != self.newest and s not in self._writing]
+            if not free:
+                raise CheckpointError(f"{self.dir}: every slot is in use; release one first")
+            slot = min(free, key=lambda s: (s not in self._buffers, self._step(s), s))
+            self._writing.add(slot)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(slot, "json"))  # from now on this slot is not whole
         current = self._buffers.get(slot)
@@ -68,6 +97,15 @@ class Slots:
             self._buffers[slot] = current
         return slot, current
 
+    def _step(self, slot: int) -> int:
+        published = self._published.get(slot)
+        return -1 if published is None else published[0]
+
+    def release(self, slot: int) -> None:
+        """``slot`` is no longer being written or sent: a later `begin` may take it."""
+        with self._lock:
+            self._writing.discard(slot)
+
     def publish(self, slot: int, manifest_json: str) -> None:
         """Describe ``slot``: from now on it counts. A manifest received from another
         slot pair is rewritten to name this slot's file."""
@@ -75,17 +113,18 @@ class Slots:
         file = os.path.basename(self._path(slot, "bin"))
         if set(manifest.files) != {file}:
             manifest_json = _renamed(manifest, file)
-        self._published[slot] = (manifest.step, manifest_json)
-        self._newest_known = True
         tmp = self._path(slot, "json.tmp")
         with open(tmp, "w") as f:
             json.dump({"job": self.job, "rank": self.owner, "manifest": manifest_json}, f)
         os.replace(tmp, self._path(slot, "json"))
-        self.newest = slot
+        with self._lock:
+            self._published[slot] = (manifest.step, manifest_json)
+            self._newest_known = True
+            self.newest = slot
 
     def raw(self, step: int) -> tuple[str, torch.Tensor]:
         """The manifest JSON and the bytes of the slot holding ``step``, to send."""
-        for slot in (0, 1):
+        for slot in range(self.count):
             published = self._published.get(slot)
             if published is None:
                 manifest = self._load(slot)
@@ -107,7 +146,7 @@ class Slots:
         """``{step: (slot, manifest)}`` for every whole slot of this job, rank and world
         size. Their bytes are not checked here: see `intact`."""
         found = {}
-        for slot in (0, 1):
+        for slot in range(self.count):
             manifest = self._load(slot)
             if manifest is not None:
                 found[manifest.step] = (slot, manifest)
@@ -161,61 +200,50 @@ class Slots:
         return manifest
 
 
+@dataclass
+class Copied:
+    """A snapshot copied into own slot ``slot``, not yet checksummed nor published:
+    ``blocks`` hold the views into the slot's buffer, ``starts`` their byte offsets."""
+
+    step: int
+    slot: int
+    size: int
+    blocks: list[Block]
+    starts: list[int]
+
+
 class MemoryTier:
     """The shared-memory snapshots of one rank of one job, and the replicas it keeps for
     its peers."""
 
     def __init__(self, root: str, job: str, rank: int, world_size: int) -> None:
         self.job, self.rank, self.world_size = job, rank, world_size
-        self.root = os.path.join(root, _safe(job))
-        _clean_abandoned(root, job)
-        self.own = Slots(os.path.join(self.root, f"rank-{rank:05d}"), job, rank, world_size)
+        self.root = os.path.join(root, safe(job))
+        clean_abandoned(root, job)
+        own = os.path.join(self.root, f"rank-{rank:05d}")
+        self.own = Slots(own, job, rank, world_size)
         self.dir = self.own.dir
         self._replicas: dict[int, Slots] = {}
         self._others: dict[str, Slots] = {}  # folders of other rank numbers, by path
         with open(os.path.join(self.root, f"owner-{rank:05d}"), "w") as f:
             f.write(str(os.getpid()))
 
-    def write(
-        self,
-        step: int,
-        blocks: Sequence[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]],
-        tree: dict[str, Any],
-    ) -> None:
+    def write(self, step: int, blocks: Sequence[Block], tree: dict[str, Any]) -> None:
         """Copy ``(key, local block, offsets, global shape)`` blocks and the JSON ``tree``
-        into the own slot that does not hold the newest snapshot."""
-        starts, total = packed(t.nbytes for _, t, _, _ in blocks)
-        slot, buffer = self.own.begin(total)
-        file = f"slot-{slot}.bin"
-        tensors = {}
-        for (key, t, offsets, shape), start in zip(blocks, starts, strict=True):
-            view = buffer[start : start + t.nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            chunk = Chunk(
-                offsets=list(offsets),
-                shape=list(t.shape),
-                file=file,
-                start=start,
-                end=start + t.nbytes,
-                xxh3=checksum(byte_view(view)),
-            )
-            tensors[key] = TensorEntry(dtype=dtype_name(t.dtype), shape=list(shape), chunks=[chunk])
-        manifest = Manifest(
-            step=step,
-            world_size=self.world_size,
-            created=time.time(),
-            tensors=tensors,
-            objects=[tree],
-            rank_objects=[0] * self.world_size,
-            files={file: buffer.numel()},
-        )
-        self.own.publish(slot, manifest.to_json().decode())
+        into a free own slot, checksum and publish it, all in this thread (a snapshot
+        takes the steps apart: see `unbroken.snapshots`)."""
+        copied = copy(self, step, blocks)
+        try:
+            seal(self, copied, tree)
+        finally:
+            self.own.release(copied.slot)
 
     def replica(self, owner: int) -> Slots:
         """The slots holding this rank's replica of rank ``owner``'s snapshots."""
         if owner not in self._replicas:
             directory = os.path.join(self.root, "replicas", f"rank-{owner:05d}")
-            self._replicas[owner] = Slots(directory, self.job, owner, self.world_size)
+            # received on the save worker, one at a time, published before the next: two do
+            self._replicas[owner] = Slots(directory, self.job, owner, self.world_size, count=2)
         return self._replicas[owner]
 
     def copies(self) -> dict[int, list[Slots]]:
@@ -231,7 +259,7 @@ class MemoryTier:
             except FileNotFoundError:
                 continue
             for name in names:
-                owner = _rank_of(name)
+                owner = rank_of(name)
                 if owner is None or owner >= self.world_size:
                     continue
                 found.setdefault(owner, []).append(self._slots(kind, name, owner))
@@ -291,54 +319,6 @@ class MemoryTier:
             shutil.rmtree(slots.dir, ignore_errors=True)
 
 
-def partners(nodes: Sequence[str], rank: int, copies: int) -> list[int]:
-    """The ranks that keep replicas of ``rank``'s snapshots: the rank with the same local
-    index on each of the next ``copies`` nodes. Replicas land on another node whenever
-    there is more than one; on a single node they go to other ranks of it. Pure:
-    ``nodes[r]`` names rank r's node."""
-    return _Nodes(nodes).partners(rank, copies)
-
-
-def replica_layout(nodes: Sequence[str], rank: int, copies: int) -> tuple[list[int], list[int]]:
-    """The ranks that keep replicas of ``rank``'s snapshots (see `partners`), and those
-    whose snapshots ``rank`` keeps replicas of. Pure: ``nodes[r]`` names rank r's node.
-    O(world * copies): it runs on every rank of a job of thousands."""
-    layout = _Nodes(nodes)
-    keeps = [r for r in range(len(nodes)) if rank in layout.partners(r, copies)]
-    return layout.partners(rank, copies), keeps
-
-
-class _Nodes:
-    """Ranks by node, computed once: `partners` is then O(copies)."""
-
-    def __init__(self, nodes: Sequence[str]) -> None:
-        self.nodes = nodes
-        self.order = list(dict.fromkeys(nodes))
-        self.position = {node: i for i, node in enumerate(self.order)}
-        self.ranks_on: dict[str, list[int]] = {node: [] for node in self.order}
-        self.index: list[int] = []
-        for r, node in enumerate(nodes):
-            self.index.append(len(self.ranks_on[node]))
-            self.ranks_on[node].append(r)
-
-    def partners(self, rank: int, copies: int) -> list[int]:
-        world = len(self.nodes)
-        if len(self.order) == 1:
-            return [(rank + j) % world for j in range(1, 1 + min(copies, world - 1))]
-        mine = self.position[self.nodes[rank]]
-        chosen = []
-        for j in range(1, 1 + min(copies, len(self.order) - 1)):
-            peers = self.ranks_on[self.order[(mine + j) % len(self.order)]]
-            chosen.append(peers[self.index[rank] % len(peers)])
-        return chosen
-
-
-def _rank_of(name: str) -> int | None:
-    if not name.startswith("rank-") or not name[5:].isdigit():
-        return None
-    return int(name[5:])
-
-
 def _renamed(manifest: Manifest, file: str) -> str:
     for entry in manifest.tensors.values():
         for chunk in entry.chunks:
@@ -348,37 +328,57 @@ def _renamed(manifest: Manifest, file: str) -> str:
     return manifest.to_json().decode()
 
 
-def _safe(job: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "job"
-
-
-def _clean_abandoned(root: str, job: str) -> None:
-    """Remove the shared memory of other jobs whose processes are all gone."""
+def copy(
+    memory: MemoryTier, step: int, blocks: Sequence[Block], cache: dict[Any, Any] | None = None
+) -> Copied:
+    """Copy ``blocks`` into a free own slot (taken until ``memory.own.release``). With a
+    ``cache`` (the same dict on every call), a layout seen before reuses its offsets and
+    its views into a slot: a snapshot every step then costs little beyond the copy."""
+    cache = {} if cache is None else cache
+    layout = [(t.dtype, t.shape) for _, t, _, _ in blocks]
+    known = cache.get("layout")
+    if known is None or known[0] != layout:
+        known = cache["layout"] = (layout, *packed(t.nbytes for _, t, _, _ in blocks))
+    layout, starts, total = known
+    slot, buffer = memory.own.begin(total)
     try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return
-    for name in names:
-        folder = os.path.join(root, name)
-        if name == _safe(job) or not os.path.isdir(folder):
-            continue
-        pids = []
-        for owner in (f for f in os.listdir(folder) if f.startswith("owner-")):
-            try:
-                with open(os.path.join(folder, owner)) as f:
-                    pids.append(int(f.read()))
-            except (OSError, ValueError):
-                continue
-        if pids and not any(_process_exists(pid) for pid in pids):
-            log.info("removing shared memory of abandoned job %s", name)
-            shutil.rmtree(folder, ignore_errors=True)
+        hit = cache.get(slot)
+        if hit is None or hit[0] is not layout or hit[1] != buffer.data_ptr():
+            views = [
+                buffer[start : start + t.nbytes].view(t.dtype).view(t.shape)
+                for (_, t, _, _), start in zip(blocks, starts, strict=True)
+            ]
+            hit = cache[slot] = (layout, buffer.data_ptr(), views)
+        for view, (_, t, _, _) in zip(hit[2], blocks, strict=True):
+            view.copy_(t)
+    except BaseException:
+        memory.own.release(slot)
+        raise
+    copied = [(key, v, o, shape) for v, (key, _, o, shape) in zip(hit[2], blocks, strict=True)]
+    return Copied(step, slot, buffer.numel(), copied, starts)
 
 
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+def seal(memory: MemoryTier, copied: Copied, tree: dict[str, Any]) -> None:
+    """Checksum the copy and publish its slot: from now on a restore may use it."""
+    file = f"slot-{copied.slot}.bin"
+    tensors = {}
+    for (key, view, offsets, shape), start in zip(copied.blocks, copied.starts, strict=True):
+        chunk = Chunk(
+            offsets=list(offsets),
+            shape=list(view.shape),
+            file=file,
+            start=start,
+            end=start + view.nbytes,
+            xxh3=checksum(byte_view(view)),
+        )
+        tensors[key] = TensorEntry(dtype=dtype_name(view.dtype), shape=list(shape), chunks=[chunk])
+    manifest = Manifest(
+        step=copied.step,
+        world_size=memory.world_size,
+        created=time.time(),
+        tensors=tensors,
+        objects=[tree],
+        rank_objects=[0] * memory.world_size,
+        files={file: copied.size},
+    )
+    memory.own.publish(copied.slot, manifest.to_json().decode())

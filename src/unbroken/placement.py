@@ -1,39 +1,47 @@
-"""Where a Checkpointer's copies go besides storage: this node's shared-memory tier, the
-peers that keep replicas of this rank's snapshots, and the peer that holds its per-step
-records."""
+"""Who keeps replicas of whose snapshots: pure functions of the ranks' nodes."""
 
 from __future__ import annotations
 
-import os
-import socket
-from dataclasses import dataclass
-
-from unbroken.dist import Comm
-from unbroken.memory import MemoryTier, replica_layout
-from unbroken.run import contract
+from collections.abc import Sequence
 
 
-@dataclass(frozen=True)
-class Placement:
-    memory: MemoryTier | None
-    partners: list[int]  # ranks that keep replicas of this rank
-    sources: list[int]  # ranks this rank keeps replicas of
-    records: tuple[list[int], list[int]]  # (to, from) for `Checkpointer.step` records
+def partners(nodes: Sequence[str], rank: int, copies: int) -> list[int]:
+    """The ranks that keep replicas of ``rank``'s snapshots: the rank with the same local
+    index on each of the next ``copies`` nodes. Replicas land on another node whenever
+    there is more than one; on a single node they go to other ranks of it. Pure:
+    ``nodes[r]`` names rank r's node."""
+    return _Nodes(nodes).partners(rank, copies)
 
 
-def place(comm: Comm, job: str, memory: bool, memory_dir: str | None, replicas: int) -> Placement:
-    """Collective: every rank's node is gathered (what torchrun calls one, its node rank,
-    or a simulated one). Per-step records go to one rank on another node: the replica
-    partners where there are any."""
-    node = os.environ.get(contract.NODE_ENV) or os.environ.get("GROUP_RANK")
-    nodes = list(comm.all_gather(f"{socket.gethostname()}/{node}"))
-    tier, partners, sources = None, list[int](), list[int]()
-    if memory:
-        root = memory_dir or os.environ.get(contract.MEMORY_DIR_ENV) or contract.DEFAULT_MEMORY_ROOT
-        tier = MemoryTier(root, job, comm.rank, comm.world_size)
-        if replicas:
-            partners, sources = replica_layout(nodes, comm.rank, replicas)
-    to, came = partners, sources
-    if not to and not came:
-        to, came = replica_layout(nodes, comm.rank, 1)
-    return Placement(tier, partners, sources, (to, came))
+def replica_layout(nodes: Sequence[str], rank: int, copies: int) -> tuple[list[int], list[int]]:
+    """The ranks that keep replicas of ``rank``'s snapshots (see `partners`), and those
+    whose snapshots ``rank`` keeps replicas of. Pure: ``nodes[r]`` names rank r's node.
+    O(world * copies): it runs on every rank of a job of thousands."""
+    layout = _Nodes(nodes)
+    keeps = [r for r in range(len(nodes)) if rank in layout.partners(r, copies)]
+    return layout.partners(rank, copies), keeps
+
+
+class _Nodes:
+    """Ranks by node, computed once: `partners` is then O(copies)."""
+
+    def __init__(self, nodes: Sequence[str]) -> None:
+        self.nodes = nodes
+        self.order = list(dict.fromkeys(nodes))
+        self.position = {node: i for i, node in enumerate(self.order)}
+        self.ranks_on: dict[str, list[int]] = {node: [] for node in self.order}
+        self.index: list[int] = []
+        for r, node in enumerate(nodes):
+            self.index.append(len(self.ranks_on[node]))
+            self.ranks_on[node].append(r)
+
+    def partners(self, rank: int, copies: int) -> list[int]:
+        world = len(self.nodes)
+        if len(self.order) == 1:
+            return [(rank + j) % world for j in range(1, 1 + min(copies, world - 1))]
+        mine = self.position[self.nodes[rank]]
+        chosen = []
+        for j in range(1, 1 + min(copies, len(self.order) - 1)):
+            peers = self.ranks_on[self.order[(mine + j) % len(self.order)]]
+            chosen.append(peers[self.index[rank] % len(peers)])
+        return chosen

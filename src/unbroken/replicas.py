@@ -34,9 +34,13 @@ def replicate(comm: Comm, memory: MemoryTier, step: int, to: list[int], sources:
         slot, buffer = slots.begin(sizes[owner][1])
         ops += [_op(dist.irecv, got_header, owner, comm), _op(dist.irecv, buffer, owner, comm)]
         arriving.append((slots, slot, got_header))
-    wait(_start(ops))
-    for slots, slot, got_header in arriving:
-        slots.publish(slot, got_header.numpy().tobytes().decode())
+    try:
+        wait(_start(ops))
+        for slots, slot, got_header in arriving:
+            slots.publish(slot, got_header.numpy().tobytes().decode())
+    finally:
+        for slots, slot, _ in arriving:
+            slots.release(slot)
     comm.together(f"replicating step {step}", lambda: None)
 
 

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.blockio import _read, _verify, byte_view
+from unbroken.coalesce import read_coalesced
+from unbroken.errors import CheckpointError
 from unbroken.format import Chunk, TensorEntry, safetensors_header, shard_file, verify_block
 from unbroken.storage import Storage
 
@@ -25,11 +27,6 @@ from unbroken.storage import Storage
 FILE_BYTES = 512 << 20
 # Blocks packed into one buffer each start on a cache line, so typed views are valid.
 ALIGN = 64
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def packed(sizes: Iterable[int]) -> tuple[list[int], int]:
@@ -110,30 +107,6 @@ def read_chunk(
     return out
 
 
-def _read(storage: Storage, folder: str, key: str, file: str, start: int, out: memoryview) -> None:
-    try:
-        storage.read_into(f"{folder}/{file}", start, out)
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{folder}/{file} disappeared while tensor {key!r} was being read from it: "
-            "something removed it during the restore"
-        ) from None
-    except EOFError:
-        raise CorruptCheckpointError(
-            f"{folder}: {file} is truncated; tensor {key!r} (bytes {start}-"
-            f"{start + len(out)}) is missing. Restore an earlier step (see `unbroken ls`)."
-        ) from None
-
-
-def _verify(folder: str, key: str, chunk: Chunk, view: memoryview) -> None:
-    verify_block(
-        view,
-        chunk.xxh3,
-        f"{folder}: tensor {key!r} in {chunk.file} (bytes {chunk.start}-{chunk.end})",
-        "; the file is damaged. Restore an earlier step (see `unbroken ls`).",
-    )
-
-
 # Blocks smaller than this are fetched together with their neighbours in one request:
 # on object stores each request costs a round trip (tens of ms on some servers), and a
 # model has hundreds of small tensors.
@@ -148,7 +121,12 @@ def read_many(
 ) -> None:  # fmt: skip
     """Read whole chunks into ``out`` tensors (contiguous, CPU, the chunk's dtype and
     shape), verifying each unless ``verify=False``; runs of small neighbouring chunks go
-    in one request."""
+    in one request. On storage that takes many requests at once (object stores), reads
+    are coalesced across whole files instead (`unbroken.coalesce`)."""
+    part_size = getattr(storage, "part_size", None)
+    if storage.requests_in_flight > 1 and part_size:
+        read_coalesced(storage, folder, items, threads, part_size, verify)
+        return
     ordered = sorted(items, key=lambda item: (item[2].file, item[2].start))
     jobs: list[list[tuple[str, TensorEntry, Chunk, torch.Tensor]]] = []
     for item in ordered:

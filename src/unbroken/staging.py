@@ -1,27 +1,51 @@
 """Staging: a reusable, bounded host copy of the state, so training can go on while it is
 written.
 
-An `Arena` is one host buffer (pinned when the state is on CUDA), sized from the state on
-first use and reused by every later save: copying into memory that was already touched
-is ~10x faster here than into fresh pages, and host memory stays fixed. A `Stager` owns
-at most ``buffers`` arenas; a save that finds none free waits for one or is skipped.
+An `Arena` is one host buffer (pinned when the state is on CUDA), sized from the state and
+reused by every later save: copying into memory that was already touched is ~10x faster
+here than into fresh pages, and host memory stays fixed. A `Stager` owns at most
+``buffers`` arenas; a save that finds none free waits for one or is skipped.
+
+The first save need not pay for fresh pages either: `Stager.reserve` allocates and
+touches the next arena on a background thread (`Checkpointer.prepare`), so the first
+background save blocks about as long as the later ones. It holds no more memory than the
+first save would have: one arena, the size of the state. Not done unasked: a job that
+only saves blocking never needs the arena.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from unbroken import abort
-from unbroken.shards import packed
+from unbroken.shards import local_block, packed
+from unbroken.state import capture
 
 
 class Arena:
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._lock = threading.Lock()  # a reservation and a save never allocate at once
+        self.reserving = False
+
+    def reserve(self, nbytes: int, pin: bool) -> None:
+        """Make the buffer at least ``nbytes``, every page touched (pinned: locked)."""
+        try:
+            with self._lock:
+                if self.nbytes >= nbytes:
+                    return
+                self.buffer = None  # free the old buffer before allocating its replacement
+                buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                if not pin:
+                    buffer.zero_()  # page faults now, not in the first save
+                self.buffer = buffer
+        finally:
+            self.reserving = False
 
     @property
     def nbytes(self) -> int:
@@ -38,9 +62,11 @@ class Arena:
         next cannot change a tensor before it has been copied."""
         offsets, total = packed(t.nbytes for t in blocks)
         on_cuda = [t for t in blocks if t.is_cuda]
-        if self.buffer is None or self.buffer.numel() < total:
-            self.buffer = None  # free the old buffer before allocating its replacement
-            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=bool(on_cuda))
+        with self._lock:  # waits for a reservation under way: it has done part of the work
+            if self.buffer is None or self.buffer.numel() < total:
+                self.buffer = None  # free the old buffer before allocating its replacement
+                self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=bool(on_cuda))
+        assert self.buffer is not None
         copies = [
             self.buffer[o : o + t.nbytes].view(t.dtype).view(t.shape)
             for o, t in zip(offsets, blocks, strict=True)
@@ -80,6 +106,27 @@ class Stager:
             while not self._cond.wait_for(lambda: bool(self._free), abort.poll_s()):
                 abort.check("waiting for a staging buffer")
             return self._free.pop()
+
+    def reserve(self, sizes: Iterable[int], pin: bool) -> None:
+        """Start sizing, on a background thread, the arena the next save takes for blocks
+        of ``sizes`` bytes (pinned if ``pin``). Cheap when it is big enough already."""
+        _, total = packed(sizes)
+        with self._cond:
+            if not self._free:
+                return
+            arena = self._free[-1]  # the one `acquire` pops next
+            if arena.nbytes >= total or arena.reserving:
+                return
+            arena.reserving = True
+        threading.Thread(
+            target=arena.reserve, args=(total, pin), name="unbroken-reserve", daemon=True
+        ).start()
+
+    def reserve_for(self, state: Mapping[str, Any]) -> None:
+        """`reserve` for the tensors of ``state``, as a save would capture them."""
+        tensors, _ = capture(state)
+        blocks = [local_block(t)[0] for t in tensors.values()]
+        self.reserve((t.nbytes for t in blocks), any(t.is_cuda for t in blocks))
 
     def release(self, arena: Arena) -> None:
         with self._cond:

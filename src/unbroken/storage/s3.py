@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
@@ -134,6 +136,14 @@ class S3Storage:
             credential_provider=provider,
         )
         self._pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="unbroken-s3")
+        # HTTP requests issued, by method (retries not counted): what a save or restore
+        # costs on a store that bills per request
+        self.requests: Counter[str] = Counter()
+        self._counting = threading.Lock()
+
+    def _count(self, method: str, n: int = 1) -> None:
+        with self._counting:
+            self.requests[method] += n
 
     def _bucket_endpoint(self) -> str | None:
         """The endpoint obstore sends requests to: with virtual-hosted addressing, it takes
@@ -172,6 +182,11 @@ class S3Storage:
 
         total = sum(memoryview(p).nbytes for p in parts)
         multipart = total > self.options.part_size
+        if multipart:  # create and complete, and one PUT per part
+            self._count("POST", 2)
+            self._count("PUT", -(-total // self.options.part_size))
+        else:
+            self._count("PUT")
         try:
             with self._request("PUT", path, f" ({total} bytes{', multipart' * multipart})"):
                 obstore.put(
@@ -192,6 +207,7 @@ class S3Storage:
         import obstore
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
+        self._count("PUT")
         with self._request("conditional PUT", path):
             try:
                 obstore.put(self.store, path, data, mode="create")
@@ -201,18 +217,25 @@ class S3Storage:
     def replace(self, path: str, data: bytes) -> None:
         import obstore
 
+        self._count("PUT")
         with self._request("PUT", path):
             obstore.put(self.store, path, data)  # a PUT replaces an object atomically
 
     def read(self, path: str) -> bytes:
         import obstore
 
+        self._count("GET")
         with self._request("GET", path):
             return bytes(obstore.get(self.store, path).bytes())
 
     @property
     def requests_in_flight(self) -> int:
         return self.options.concurrency
+
+    @property
+    def part_size(self) -> int:
+        """The size of one upload part and of one ranged GET."""
+        return self.options.part_size
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         view = out.cast("B")
@@ -232,6 +255,7 @@ class S3Storage:
 
         if not len(out):
             return
+        self._count("GET")
         try:
             with self._request("GET", path, f" (bytes {offset}-{offset + len(out)})"):
                 data = obstore.get_range(self.store, path, start=offset, length=len(out))
@@ -246,12 +270,14 @@ class S3Storage:
     def size(self, path: str) -> int:
         import obstore
 
+        self._count("HEAD")
         with self._request("HEAD", path):
             return int(obstore.head(self.store, path)["size"])
 
     def list(self, path: str) -> list[str]:
         import obstore
 
+        self._count("LIST")
         with self._request("LIST", f"{path}/" if path else ""):
             listing = obstore.list_with_delimiter(self.store, path or None)
         names = [p.rsplit("/", 1)[-1] for p in listing["common_prefixes"]]
@@ -261,8 +287,10 @@ class S3Storage:
     def delete(self, path: str) -> None:
         import obstore
 
+        self._count("LIST")
         with self._request("LIST", f"{path}/"):
             paths = [o["path"] for batch in obstore.list(self.store, path) for o in batch]
+        self._count("DELETE")
         with (
             self._request("DELETE", path, f" and {len(paths)} objects under it"),
             contextlib.suppress(FileNotFoundError),  # deleting nothing is fine
@@ -280,7 +308,9 @@ class S3Storage:
                 Bucket=self.bucket, Prefix=key
             )
             for page in pages:
+                self._count("LIST")
                 for upload in page.get("Uploads", []):
+                    self._count("DELETE")
                     self._boto3.abort_multipart_upload(
                         Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                     )

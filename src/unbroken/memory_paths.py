@@ -1,0 +1,52 @@
+"""Names and housekeeping of the shared-memory tier's folders: a job's folder name, the
+rank a folder is named for, and removing the memory of jobs whose processes are gone."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+log = logging.getLogger("unbroken")
+
+
+def rank_of(name: str) -> int | None:
+    if not name.startswith("rank-") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def safe(job: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "job"
+
+
+def clean_abandoned(root: str, job: str) -> None:
+    """Remove the shared memory of other jobs whose processes are all gone."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for name in names:
+        folder = os.path.join(root, name)
+        if name == safe(job) or not os.path.isdir(folder):
+            continue
+        pids = []
+        for owner in (f for f in os.listdir(folder) if f.startswith("owner-")):
+            try:
+                with open(os.path.join(folder, owner)) as f:
+                    pids.append(int(f.read()))
+            except (OSError, ValueError):
+                continue
+        if pids and not any(_process_exists(pid) for pid in pids):
+            log.info("removing shared memory of abandoned job %s", name)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

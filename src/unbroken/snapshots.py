@@ -1,0 +1,151 @@
+"""Snapshots cheap enough to take every step.
+
+`Checkpointer.snapshot` keeps only the copy on the caller's thread: the state goes into a
+free shared-memory slot, a plain memcpy. Checksumming that copy and publishing it (the
+slot's JSON, written last: only then may a restore use it) run on a thread of their own,
+one snapshot after the other (`Sealer`); replication to the peers then runs on the save worker, in
+the order the caller took the snapshots, so every rank issues the same collectives in the
+same order.
+
+Slots (see `unbroken.memory.OWN_SLOTS`): the newest whole snapshot is never overwritten,
+nor one still being checksummed or sent. The next snapshot takes a third slot, so snapshot
+N+1 never waits for the checksum or the replication of N; snapshot N+2 waits until N is
+done (training cannot outrun its snapshots for long). What this costs: up to three copies
+of a rank's state in /dev/shm instead of two; the third is mapped only when a snapshot
+comes while the one before is still in flight.
+
+What a crash loses: a snapshot becomes visible once it is published. A process killed
+right after `snapshot` returned may come back from the step before (its slot is whole);
+it never comes back from a torn or unverified copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
+from typing import Any
+
+from unbroken import replicas
+from unbroken.background import SaveThread, wait_for
+from unbroken.dist import Comm
+from unbroken.memory import OWN_SLOTS, Block, Copied, MemoryTier, copy, seal
+from unbroken.shards import local_block
+from unbroken.state import capture
+
+
+def blocks_of(state: Any) -> tuple[list[Block], dict[str, Any]]:
+    """The local blocks of ``state``'s tensors (live, CPU or CUDA) and its JSON tree."""
+    tensors, tree = capture(state)
+    out = []
+    for key, t in tensors.items():
+        local, offsets = local_block(t)
+        out.append((key, local, offsets, tuple(t.shape)))
+    return out, tree
+
+
+class Snapshots:
+    """The snapshots of one checkpointer: copies on the caller's thread, checksums and
+    publishing on a thread per snapshot (each after the one before), replication to
+    ``partners`` and from ``sources`` on the save ``worker``. A failure in the background
+    goes to ``failed(step, error)``."""
+
+    def __init__(
+        self,
+        memory: MemoryTier,
+        comm: Comm,
+        worker: SaveThread,
+        partners: list[int],
+        sources: list[int],
+        failed: Callable[[int, BaseException], None],
+    ) -> None:
+        self.memory, self._comm, self._worker = memory, comm, worker
+        self._partners, self._sources, self._failed = partners, sources, failed
+        self._sealer = Sealer()
+        self._holding: list[Future[None]] = []  # jobs holding an own slot, oldest first
+        self._cache: dict[Any, Any] = {}  # see `copy`
+
+    @property
+    def replicated(self) -> bool:
+        return bool(self._partners or self._sources)
+
+    def take(self, step: int, state: Any) -> Future[None]:
+        """Copy ``state`` as ``step`` and start sealing it (and replicating it); returns
+        the future of the last background job for this snapshot."""
+        self._holding = [f for f in self._holding if not f.done()]
+        # A free slot needs the newest whole one kept and at most OWN_SLOTS - 2 in flight.
+        while len(self._holding) > OWN_SLOTS - 2:
+            wait_for([self._holding.pop(0)], f"snapshot of step {step}: waiting for a slot")
+        blocks, tree = blocks_of(state)
+        copied = copy(self.memory, step, blocks, self._cache)
+        sealed: Future[None] = Future()
+        self._sealer.submit(self._seal, copied, tree, sealed)
+        last = self._worker.submit(self._replicate, copied, sealed) if self.replicated else sealed
+        self._holding.append(last)
+        return last
+
+    def _seal(self, copied: Copied, tree: dict[str, Any], sealed: Future[None]) -> None:
+        """Runs on the sealer, in the order of the snapshots: the newest published slot
+        holds the newest step."""
+        error: BaseException | None = None
+        try:
+            seal(self.memory, copied, tree)
+        except BaseException as e:
+            self._failed(copied.step, e)
+            error = e
+        if not self.replicated:  # free before saying so: the next snapshot may take it
+            self.memory.own.release(copied.slot)
+        if error is None:
+            sealed.set_result(None)
+        else:
+            sealed.set_exception(error)
+
+    def _replicate(self, copied: Copied, sealed: Future[None]) -> None:
+        """Runs on the save worker, in the order of the snapshots (every rank issues the
+        same collectives in the same order), once the snapshot is published."""
+        step = copied.step
+        try:
+            futures.wait([sealed])
+            if sealed.exception() is not None:
+                return  # recorded already; the peers time out in their own replication
+            replicas.replicate(self._comm, self.memory, step, self._partners, self._sources)
+            self.memory.free_older(step)  # complete on every rank: older leftovers can go
+        except BaseException as e:
+            self._failed(step, e)
+            raise
+        finally:
+            self.memory.own.release(copied.slot)
+
+
+class Sealer:
+    """One thread running the calls given to it in order, started on demand and gone
+    after ``IDLE_S`` without work: no thread outlives a checkpointer for long, and a
+    snapshot every step never pays for starting one (milliseconds on a busy machine)."""
+
+    IDLE_S = 30.0
+
+    def __init__(self) -> None:
+        self._queue: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        self._cond = threading.Condition()
+        self._running = False
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._cond:
+            self._queue.append((fn, args))
+            self._cond.notify()
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._run, name="unbroken-snapshots", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(self.IDLE_S)
+                if not self._queue:
+                    self._running = False
+                    return
+                fn, args = self._queue.pop(0)
+            fn(*args)  # the calls catch their own errors (see Snapshots._seal)

@@ -1,0 +1,96 @@
+"""Snapshots cheap enough for every step: copied on the caller's thread, checksummed,
+published and replicated in the background, never visible before they are whole."""
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from ranks import run_ranks
+from unbroken import Checkpointer, CheckpointError
+from unbroken.memory import OWN_SLOTS
+from unbroken.snapshots import blocks_of, copy, seal
+
+
+def _ckpt(root, **kwargs: Any) -> Checkpointer:
+    return Checkpointer(
+        os.path.join(root, "ckpt"), memory=True, memory_dir=os.path.join(root, "shm"),
+        job="snap", **kwargs,
+    )  # fmt: skip
+
+
+def test_a_copy_is_invisible_until_sealed_and_never_overwrites_the_newest(tmp_path):
+    ckpt = _ckpt(str(tmp_path))
+    state = {"w": torch.full((1000,), 1.0)}
+    ckpt.snapshot(1, state)
+    ckpt.wait()
+    memory = ckpt._memory
+    assert memory is not None and OWN_SLOTS == 3
+    newest = memory.own.newest
+    state["w"].fill_(2.0)
+    blocks, tree = blocks_of(state)
+    second = copy(memory, 2, blocks)  # copied, not yet checksummed nor published
+    third = copy(memory, 3, blocks)  # while the second is in flight: the third slot
+    assert len({newest, second.slot, third.slot}) == 3
+    with pytest.raises(CheckpointError, match="every slot is in use"):
+        memory.own.begin(8)
+    fresh = {"w": torch.zeros(1000)}
+    assert _ckpt(str(tmp_path)).restore(fresh) == 1  # neither copy counts yet
+    assert torch.equal(fresh["w"], torch.full((1000,), 1.0))
+    seal(memory, second, tree)
+    memory.own.release(second.slot)
+    assert _ckpt(str(tmp_path)).restore(fresh) == 2
+    assert torch.equal(fresh["w"], torch.full((1000,), 2.0))
+    memory.own.release(third.slot)
+    ckpt.close()
+
+
+def test_every_step_snapshots_stay_whole(tmp_path):
+    ckpt = _ckpt(str(tmp_path))
+    state = {"w": torch.zeros(1 << 16)}
+    for step in range(1, 21):  # no wait between them: several are in flight at once
+        state["w"].fill_(float(step))
+        ckpt.snapshot(step, state)
+    ckpt.wait()
+    fresh = {"w": torch.zeros(1 << 16)}
+    assert _ckpt(str(tmp_path)).restore(fresh) == 20
+    assert torch.equal(fresh["w"], torch.full((1 << 16,), 20.0))
+    ckpt.close()
+
+
+def _unblocked_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    os.environ["UNBROKEN_NODE"] = str(rank)  # two simulated nodes: replicas cross them
+    shm = os.path.join(root, f"node-{rank}")
+    ckpt = Checkpointer(
+        os.path.join(root, "ckpt"), memory=True, replicas=1, memory_dir=shm, job="j"
+    )
+    state = {"w": torch.full((1000,), float(rank))}
+    gate = threading.Event()
+    ckpt._worker.submit(gate.wait, 60)  # the save worker is busy: replications queue up
+    ckpt.snapshot(1, state)
+    state["w"] += 1
+    started = time.perf_counter()
+    ckpt.snapshot(2, state)  # would hang until the gate opens if it waited for step 1's
+    returned = time.perf_counter() - started
+    replicated_early = ckpt._replicating is not None and ckpt._replicating.done()
+    gate.set()
+    ckpt.wait()
+    fresh = {"w": torch.zeros(1000)}
+    restored = ckpt.restore(fresh)
+    ckpt.close()
+    return {
+        "returned_s": returned,
+        "replicated_early": replicated_early,
+        "restored": restored,
+        "equal": torch.equal(fresh["w"], torch.full((1000,), float(rank + 1))),
+    }
+
+
+@pytest.mark.timeout(90)
+def test_a_snapshot_never_waits_for_the_replication_of_the_one_before(tmp_path):
+    results = run_ranks(_unblocked_job, str(tmp_path), timeout=80)
+    assert all(r["returned_s"] < 10 and not r["replicated_early"] for r in results), results
+    assert all(r["restored"] == 2 and r["equal"] for r in results), results
