@@ -289,6 +289,40 @@ def test_coordinator_starts_generations_and_frees_a_silent_nodes_slot():
     assert (spawn(2, "a"), spawn(2, "c")) == ([], [2, 3])
 
 
+def test_a_worker_report_finds_the_lost_node_by_ping_long_before_its_node_timeout():
+    import torch.distributed as dist
+
+    from unbroken.run import contract
+    from unbroken.run.coordinator import Coordinator
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.add(contract.GENERATION_KEY, 0)
+    co = Coordinator(store, node_timeout=30.0, suspect_timeout=0.2)
+    store.set(contract.JOB_KEY, json.dumps({"nnodes": 3, "nproc_per_node": 2}))
+    for slot, agent in enumerate("abc"):
+        store.set(contract.slot_key(slot, "owner"), agent)
+        store.add(contract.agent_beat_key(agent), 1)
+    co.poll()
+    assert co.started
+
+    def pinged(agent: str) -> bool:
+        return store.check([f"{contract.AGENT_PREFIX}{agent}/{contract.PING_SUFFIX}-1"])
+
+    # Rank 1 (node 0) saw a peer vanish: every agent is pinged; b answers, c does not,
+    # and node 0 is vouched for by its reporting rank.
+    store.append(f"{contract.SUSPECT_KEY}-0", "1,")
+    co.poll()
+    assert all(pinged(a) for a in "abc")
+    store.add(contract.agent_beat_key("b"), 1)
+    co.poll()
+    assert store.check([contract.slot_key(2, "owner")])  # not before --suspect-timeout
+    time.sleep(0.25)
+    co.poll()
+    owners = [store.check([contract.slot_key(s, "owner")]) for s in range(3)]
+    assert owners == [True, True, False]
+    assert json.loads(store.get(f"{contract.ABORT_KEY}-0"))["failed"] == [4, 5]
+
+
 def test_restart_all_across_nodes_gets_short_rendezvous_keep_alives():
     from unbroken.run.launch import with_keep_alive
 
