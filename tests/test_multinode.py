@@ -295,7 +295,7 @@ def test_a_worker_report_finds_the_lost_node_by_ping_long_before_its_node_timeou
     from unbroken.run import contract
     from unbroken.run.coordinator import Coordinator
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store: Any = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store.add(contract.GENERATION_KEY, 0)
     co = Coordinator(store, node_timeout=30.0, suspect_timeout=0.2)
     store.set(contract.JOB_KEY, json.dumps({"nnodes": 3, "nproc_per_node": 2}))
