@@ -243,7 +243,7 @@ def _window_job(rank: int, world: int, job: str) -> list[tuple[int | None, bool,
     def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
         return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
-    results = []
+    results: list[tuple[int | None, bool, bool]] = []
     for case, stepped in enumerate([{1}, {0, 1}]):
         for step in (1, 2):
             train_step(step)
@@ -256,8 +256,8 @@ def _window_job(rank: int, world: int, job: str) -> list[tuple[int | None, bool,
             train_step(3)  # the fault comes after this step, before its record
         before = snapshot()
         healed = healing.heal(comm, f"{job}-{case}", state)
-        step = None if healed is None else healed[0].step
-        results.append((step, same(snapshot(), recorded), same(snapshot(), before)))
+        at = None if healed is None else healed[0].step
+        results.append((at, same(snapshot(), recorded), same(snapshot(), before)))
         if healed is None:
             assert state["progress"] == {"step": 3}
         else:
