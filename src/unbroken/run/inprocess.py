@@ -19,7 +19,10 @@ store prefix ``unbroken/gen-<g>`` and calls ``train()``. When a peer dies, the s
 sets ``unbroken/abort-<g>``; a watcher thread here waits on that key and aborts the
 generation's process groups (`unbroken.abort`: their connections are shut down, so any
 collective still waiting fails at once, here and on every peer, instead of at its
-timeout). The failure surfaces in ``train()``; `in_process` abandons the generation's
+timeout). A rank that sees a collective fail on a vanished peer before any abort reports
+it (``unbroken/suspect-<g>``): across nodes the coordinator then finds the lost node by
+pinging the agents instead of waiting out its node timeout. The failure surfaces in
+``train()``; `in_process` abandons the generation's
 Checkpointers and groups, waits (bounded) for the supervisor to move the generation past
 g, which it does once it has respawned the dead ranks under the same rank numbers, and
 calls ``train()`` again in the same process. So the healthy ranks skip the interpreter
@@ -96,10 +99,8 @@ def in_process(train: Callable[[], T], *, timeout_s: float = 60.0, wait_s: float
             f"cannot reach the supervisor's store at {where} ({e}); {FALLBACK}"
         ) from e
     watcher.start()
-    # What exists now (torch, the model, the optimizer) lives through every generation:
-    # out of the collector's sight, the collection after a failure (`_abandon`) scans
-    # only the objects of the failed generation, milliseconds instead of most of a
-    # second on the recovery's critical path.
+    # What exists now lives through every generation: frozen, the collection after a
+    # failure (`_abandon`) scans only the failed generation's objects (ms, not ~0.6 s).
     gc.freeze()
     while True:
         # Events and heartbeats carry the generation as the attempt; the first step of
