@@ -35,7 +35,7 @@ between two disk checkpoints:
     node's slot; the training calls ``Checkpointer.step`` every step (live healing, where
     the library has it); (f) loses another node, (g) the node holding rank 0. A healthy
     rank's report of the lost peer and the coordinator's ping find the lost node
-    (--suspect-timeout, 0.3 s), the --node-timeout (1 s here) if nobody reports.
+    (--suspect-timeout, 0.2 s), the --node-timeout (1 s here) if nobody reports.
 
 Restart-all across nodes ((d)): the "restart" phase is how long the surviving agent took
 to drop the lost node from the rendezvous and restart its workers (keep-alive 2 x 1 s).

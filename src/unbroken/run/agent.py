@@ -44,6 +44,11 @@ from unbroken.run.watch import Stale
 BEAT_S = 0.2  # the agent's heartbeat to the coordinator
 CLAIM_WAIT_S = 600.0  # how long an agent waits for a node slot to be free
 CLAIM_POLL_S = 0.02  # a standby takes a freed slot this soon (part of every node loss)
+# From a ping or an abort on, for FAST_FOR_S, the agent polls every FAST_POLL_S instead of
+# `unbroken.run.cli.POLL_S`: settling and starting the next generation are on the
+# recovery's critical path, the steady state is not.
+FAST_POLL_S = 0.01
+FAST_FOR_S = 2.0
 # After a hang, how long ranks have to answer the abort before they are judged hung: more
 # than on one machine, since the abort reaches them through the coordinator, and a rank
 # killed wrongly costs far more than the wait.
@@ -78,6 +83,7 @@ class NodeAgent(Supervisor):
         self.stopped = threading.Event()  # ends the beat thread
         self.beater: threading.Thread | None = None
         self.answerer: threading.Thread | None = None
+        self.fast_until = 0.0  # poll every FAST_POLL_S until then
 
     # -- start: join the job, claim a slot
 
@@ -186,10 +192,18 @@ class NodeAgent(Supervisor):
                 if self.stopped.is_set():
                     return
                 store.add(contract.agent_beat_key(self.id), 1)
+                self.fast_until = time.monotonic() + FAST_FOR_S
         except Exception:
             return  # the coordinator is gone: poll() finds out
 
     # -- the drive loop's calls
+
+    @property
+    def poll_s(self) -> float:
+        """How long the drive loop sleeps between two polls."""
+        from unbroken.run.cli import POLL_S
+
+        return FAST_POLL_S if time.monotonic() < self.fast_until else POLL_S
 
     def poll(self) -> bool:
         if self.stopping:
@@ -246,6 +260,7 @@ class NodeAgent(Supervisor):
         key = f"{contract.ABORT_KEY}-{g}"
         if not self.store.check([key]):
             return
+        self.fast_until = time.monotonic() + FAST_FOR_S
         if json.loads(self.store.get(key)).get("hang") and self.probing is None:
             self.probing = (g, time.monotonic() + PROBE_S)
         if self.probing is not None:

@@ -49,7 +49,7 @@ from unbroken.run import contract
 
 POLL_S = 0.02
 NODE_TIMEOUT_S = 2.0
-SUSPECT_TIMEOUT_S = 0.3
+SUSPECT_TIMEOUT_S = 0.2
 
 
 def log(message: str) -> None:
