@@ -199,11 +199,9 @@ class NodeAgent(Supervisor):
     # -- the drive loop's calls
 
     @property
-    def poll_s(self) -> float:
-        """How long the drive loop sleeps between two polls."""
-        from unbroken.run.cli import POLL_S
-
-        return FAST_POLL_S if time.monotonic() < self.fast_until else POLL_S
+    def poll_s(self) -> float | None:
+        """How long the drive loop sleeps between two polls: None for its usual."""
+        return FAST_POLL_S if time.monotonic() < self.fast_until else None
 
     def poll(self) -> bool:
         if self.stopping:
