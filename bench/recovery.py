@@ -33,8 +33,9 @@ between two disk checkpoints:
     ``unbroken run --in-process`` node agent per node, each its own process tree with its
     own shared memory, plus a standby node agent with warm spares that claims the lost
     node's slot; the training calls ``Checkpointer.step`` every step (live healing, where
-    the library has it); (f) loses another node, (g) the node holding rank 0. Lost-node
-    detection is the coordinator's --node-timeout (1 s here).
+    the library has it); (f) loses another node, (g) the node holding rank 0. A healthy
+    rank's report of the lost peer and the coordinator's ping find the lost node
+    (--suspect-timeout, 0.2 s), the --node-timeout (1 s here) if nobody reports.
 
 Restart-all across nodes ((d)): the "restart" phase is how long the surviving agent took
 to drop the lost node from the rendezvous and restart its workers (keep-alive 2 x 1 s).

@@ -7,9 +7,10 @@ replacement pod would.
 The fault is the node's own ``kill-node`` fault: its agent SIGKILLs itself, its ranks and
 spares, and deletes its shared memory. Its moment is when this script sees the agent
 dead (polled every 10 ms; the agent acts within its 50 ms poll of the fault). Phase
-boundaries, each the last rank to pass it: detect (-> a healthy rank aborted its groups:
-the coordinator's node timeout), restart (-> the coordinator started the next
-generation, the standby agent holding the slot), then as in the other scenarios."""
+boundaries, each the last rank to pass it: detect (-> a healthy rank saw the peer gone
+or aborted its groups), restart (-> the coordinator started the next generation, the
+standby agent holding the slot: the rank's report, the coordinator's ping and its
+--suspect-timeout, the standby's claim), then as in the other scenarios."""
 
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ def analyse_multinode(cfg: RecoveryConfig, sc: Scenario, out: Path, run: dict[st
         "label": sc.label,
         "fault": sc.fault,
         "fault_step": cfg.fault_step,
-        "detected_by": "coordinator node timeout",
+        "detected_by": "a rank's report, the coordinator's ping",
         "memory_every": sc.memory_every,
         "replicas": sc.replicas,
         "in_process": True,

@@ -201,3 +201,65 @@ def _parts_job(rank: int, world: int) -> list[bool]:
     tracker.settle(state)  # every part seen: stops watching
     seen += [tracker.covered(state), tracker._handle is None]
     return seen
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_past_its_record_is_healed_back_to_the_live_step_never_mixed():
+    """The optimizer-step window: a fault after a rank's ``optimizer.step`` but before its
+    next record leaves it one step ahead of what it recorded. Its fingerprint tells, so
+    it is healed like a lost rank (the record's step, from a live replica); when every
+    rank is past its record, healing refuses and changes nothing (snapshot path)."""
+    from ranks import run_ranks
+
+    job = f"window-{os.getpid()}-{random.random()}"
+    # (healed step, state == what was recorded, state == what it was before healing)
+    assert run_ranks(_window_job, job, timeout=80) == [
+        [(2, True, True), (None, False, True)],  # rank 0: live in case 0, untouched
+        [(2, True, False), (None, False, True)],  # rank 1: brought back to step 2
+    ]
+
+
+def _window_job(rank: int, world: int, job: str) -> list[tuple[int | None, bool, bool]]:
+    from datetime import timedelta
+
+    from unbroken.dist import Comm
+
+    comm = Comm(None, timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state: dict = {"model": model, "optim": optim, "progress": {"step": 0}}
+
+    def train_step(step: int) -> None:
+        optim.zero_grad()
+        model(torch.ones(2, 8)).pow(2).sum().backward()
+        optim.step()
+        state["progress"] = {"step": step}
+
+    def snapshot() -> list[torch.Tensor]:
+        optim_state = [t for s in optim.state.values() for t in s.values()]
+        return [t.clone() for t in [*model.state_dict().values(), *optim_state]]
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    results: list[tuple[int | None, bool, bool]] = []
+    for case, stepped in enumerate([{1}, {0, 1}]):
+        for step in (1, 2):
+            train_step(step)
+            record = Record.make(step, rank, state, layouts={}, data_parallel=True)
+            records.keep_own(f"{job}-{case}", record)
+            got = records.exchange(comm, {1 - rank: record.data}, [1 - rank])
+            records.keep_held(f"{job}-{case}", 1 - rank, step, got[1 - rank])
+        recorded = snapshot()
+        if rank in stepped:
+            train_step(3)  # the fault comes after this step, before its record
+        before = snapshot()
+        healed = healing.heal(comm, f"{job}-{case}", state)
+        at = None if healed is None else healed[0].step
+        results.append((at, same(snapshot(), recorded), same(snapshot(), before)))
+        if healed is None:
+            assert state["progress"] == {"step": 3}
+        else:
+            assert state["progress"] == {"step": 2}  # the record's per-rank state, too
+    return results

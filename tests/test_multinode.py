@@ -3,8 +3,9 @@
 directory, talking to the others only over TCP on loopback; nothing is shared between the
 "nodes" but the checkpoint storage (and the test's output folder). A lost node is
 replaced by a new agent started by the test, as Kubernetes would start a new pod: it asks
-the coordinator for the free node slot. Every case ends bitwise equal to an uninterrupted
-run, and every rank not lost keeps its process."""
+the coordinator for the free node slot. The job heals from live replicas (train_job.py
+--heal: ``ckpt.step`` each step) where it can, from snapshots where it cannot. Every case
+ends bitwise equal to an uninterrupted run, and every rank not lost keeps its process."""
 
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ class Cluster:
             *self.options,
             str(TRAIN),
             "--in-process",
+            "--heal",
             f"--ckpt={self.tmp / 'ckpt'}",
             f"--out={self.out}",
             f"--steps={STEPS}",
@@ -165,9 +167,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run
 
 
-def check(run: dict, reference: dict, replaced: set[int]) -> None:
+def check(run: dict, reference: dict, replaced: set[int], healed: bool = True) -> None:
     """Bitwise equal to the uninterrupted run; ranks not in ``replaced`` kept their pid,
-    the replaced ones got a new one; no start after a fault went back to storage."""
+    the replaced ones got a new one; no start after a fault went back to storage, and
+    with ``healed`` every one healed from live replicas (no rollback)."""
     for rank in range(NODES * LOCAL):
         pids = [s["pid"] for s in run["starts"] if s["rank"] == rank]
         if rank in replaced:
@@ -176,6 +179,8 @@ def check(run: dict, reference: dict, replaced: set[int]) -> None:
             assert len(set(pids)) == 1 and len(pids) >= 2, f"rank {rank} changed pid: {pids}"
     later = [s for s in run["starts"] if s["seen_generation"] > 0]
     assert later and all(s["origins"] and "storage" not in s["origins"] for s in later), later
+    if healed:
+        assert all(set(s["origins"]) == {"live"} for s in later), later
     assert run["params"] == reference["params"], "not bitwise equal to the uninterrupted run"
 
 
@@ -231,7 +236,9 @@ def test_fault_during_recovery_bitwise(cluster, reference):
 
     lose_node(c, 1, then=kill_rank0)
     run = c.finish()
-    check(run, reference, replaced={0, 2, 3})
+    # Rank 1 alone is live; rank 0's record was held on the lost node: no exact heal,
+    # so every rank rolls back to the last snapshot (memory and replicas, not storage).
+    check(run, reference, replaced={0, 2, 3}, healed=False)
 
 
 # -- the pieces, fast: the coordinator's decisions on a real store, the command lines
@@ -287,6 +294,40 @@ def test_coordinator_starts_generations_and_frees_a_silent_nodes_slot():
     beat("a", "c")
     assert int(store.add(contract.GENERATION_KEY, 0)) == 2
     assert (spawn(2, "a"), spawn(2, "c")) == ([], [2, 3])
+
+
+def test_a_worker_report_finds_the_lost_node_by_ping_long_before_its_node_timeout():
+    import torch.distributed as dist
+
+    from unbroken.run import contract
+    from unbroken.run.coordinator import Coordinator
+
+    store: Any = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.add(contract.GENERATION_KEY, 0)
+    co = Coordinator(store, node_timeout=30.0, suspect_timeout=0.2)
+    store.set(contract.JOB_KEY, json.dumps({"nnodes": 3, "nproc_per_node": 2}))
+    for slot, agent in enumerate("abc"):
+        store.set(contract.slot_key(slot, "owner"), agent)
+        store.add(contract.agent_beat_key(agent), 1)
+    co.poll()
+    assert co.started
+
+    def pinged(agent: str) -> bool:
+        return store.check([f"{contract.AGENT_PREFIX}{agent}/{contract.PING_SUFFIX}-1"])
+
+    # Rank 1 (node 0) saw a peer vanish: every agent is pinged; b answers, c does not,
+    # and node 0 is vouched for by its reporting rank.
+    store.append(f"{contract.SUSPECT_KEY}-0", "1,")
+    co.poll()
+    assert all(pinged(a) for a in "abc")
+    store.add(contract.agent_beat_key("b"), 1)
+    co.poll()
+    assert store.check([contract.slot_key(2, "owner")])  # not before --suspect-timeout
+    time.sleep(0.25)
+    co.poll()
+    owners = [store.check([contract.slot_key(s, "owner")]) for s in range(3)]
+    assert owners == [True, True, False]
+    assert json.loads(store.get(f"{contract.ABORT_KEY}-0"))["failed"] == [4, 5]
 
 
 def test_restart_all_across_nodes_gets_short_rendezvous_keep_alives():

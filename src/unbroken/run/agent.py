@@ -7,7 +7,9 @@ the way torchrun is started on each node, all pointed at one ``unbroken coordina
 
 The agent claims node slot N (``--node-rank``), or without it the first free slot, as a
 replacement machine would: its ranks take the numbers of the node it replaces. It beats
-a counter in the store (the coordinator's node-loss detector), spawns its local ranks
+a counter in the store (the coordinator's node-loss detector), and once more at once
+whenever the coordinator pings (a worker somewhere reported a lost peer: the coordinator
+tells the live nodes from the lost one by who answers), spawns its local ranks
 when the coordinator says so, and watches them with the same `Watch` as the one-machine
 supervisor (heartbeats, exit codes, kill-node faults). When a local rank fails it sets
 ``unbroken/abort-<g>`` at once (every healthy rank on every node aborts its groups), then
@@ -20,6 +22,7 @@ the healthy ranks go on in their processes (`unbroken.run.in_process`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -31,6 +34,7 @@ from datetime import timedelta
 
 from unbroken.run import contract
 from unbroken.run.args import RunOptions
+from unbroken.run.coordinator import ping
 from unbroken.run.procs import descendants, kill_tree
 from unbroken.run.spare import Spares
 from unbroken.run.supervisor import Supervisor
@@ -39,6 +43,12 @@ from unbroken.run.watch import Stale
 
 BEAT_S = 0.2  # the agent's heartbeat to the coordinator
 CLAIM_WAIT_S = 600.0  # how long an agent waits for a node slot to be free
+CLAIM_POLL_S = 0.02  # a standby takes a freed slot this soon (part of every node loss)
+# From a ping or an abort on, for FAST_FOR_S, the agent polls every FAST_POLL_S instead of
+# `unbroken.run.cli.POLL_S`: settling and starting the next generation are on the
+# recovery's critical path, the steady state is not.
+FAST_POLL_S = 0.01
+FAST_FOR_S = 2.0
 # After a hang, how long ranks have to answer the abort before they are judged hung: more
 # than on one machine, since the abort reaches them through the coordinator, and a rank
 # killed wrongly costs far more than the wait.
@@ -72,6 +82,8 @@ class NodeAgent(Supervisor):
         self.memory_dir = os.environ.get(contract.MEMORY_DIR_ENV) or contract.DEFAULT_MEMORY_ROOT
         self.stopped = threading.Event()  # ends the beat thread
         self.beater: threading.Thread | None = None
+        self.answerer: threading.Thread | None = None
+        self.fast_until = 0.0  # poll every FAST_POLL_S until then
 
     # -- start: join the job, claim a slot
 
@@ -114,6 +126,8 @@ class NodeAgent(Supervisor):
         self.slot = self._claim()
         self.beater = threading.Thread(target=self._beat, name="unbroken-agent-beat")
         self.beater.start()
+        self.answerer = threading.Thread(target=self._answer, name="unbroken-agent-ping")
+        self.answerer.start()
         self.timeline.add(
             "launch",
             f"node agent {self.id}: node {self.slot} of {self.nodes} ({self.local} rank(s) "
@@ -149,7 +163,7 @@ class NodeAgent(Supervisor):
             if not said:
                 say(f"node slot(s) {list(slots)} taken: waiting for one to be free")
                 said = True
-            time.sleep(0.1)
+            time.sleep(CLAIM_POLL_S)
         raise SystemExit(f"unbroken run: no node slot of {list(slots)} came free in time")
 
     def _beat(self) -> None:
@@ -163,7 +177,31 @@ class NodeAgent(Supervisor):
                 return  # the coordinator is gone: poll() finds out
         del store
 
+    def _answer(self) -> None:
+        """Beat at once each time the coordinator pings: it waits for the live agents'
+        answers to tell a lost node from the live ones (`unbroken.run.coordinator`)."""
+        import torch.distributed as dist
+
+        counter = f"{contract.AGENT_PREFIX}{self.id}/{contract.PING_SUFFIX}"
+        try:
+            store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False)
+            n = int(store.add(counter, 0))
+            while True:
+                n += 1
+                store.wait([f"{counter}-{n}"], timedelta(days=1))
+                if self.stopped.is_set():
+                    return
+                store.add(contract.agent_beat_key(self.id), 1)
+                self.fast_until = time.monotonic() + FAST_FOR_S
+        except Exception:
+            return  # the coordinator is gone: poll() finds out
+
     # -- the drive loop's calls
+
+    @property
+    def poll_s(self) -> float | None:
+        """How long the drive loop sleeps between two polls: None for its usual."""
+        return FAST_POLL_S if time.monotonic() < self.fast_until else None
 
     def poll(self) -> bool:
         if self.stopping:
@@ -220,6 +258,7 @@ class NodeAgent(Supervisor):
         key = f"{contract.ABORT_KEY}-{g}"
         if not self.store.check([key]):
             return
+        self.fast_until = time.monotonic() + FAST_FOR_S
         if json.loads(self.store.get(key)).get("hang") and self.probing is None:
             self.probing = (g, time.monotonic() + PROBE_S)
         if self.probing is not None:
@@ -292,6 +331,7 @@ class NodeAgent(Supervisor):
         """A kill-node fault for this node: it dies as a machine does, agent, ranks,
         spares and its shared memory (if it has a directory of its own) at once."""
         self.timeline.add("node_kill_requested", f"killing node {node}: this agent", node=node)
+        self.stopped.set()  # a machine that dies stops beating first of all
         if os.environ.get(contract.MEMORY_DIR_ENV):
             shutil.rmtree(self.memory_dir, ignore_errors=True)
         for pid in descendants(os.getpid()):
@@ -318,6 +358,10 @@ class NodeAgent(Supervisor):
         self.stopped.set()
         if self.beater is not None:
             self.beater.join()
+        if self.answerer is not None and self.answerer.is_alive():
+            with contextlib.suppress(Exception):  # wake it: it sees `stopped` and ends
+                ping(self.store, self.id)
+            self.answerer.join(timeout=5.0)
 
     def since(self, beat: float, attempt: int) -> float:
         if attempt >= self.generation:

@@ -110,7 +110,7 @@ def loop(job: Job) -> int:
             if time.monotonic() > deadline:
                 for pid in job.live_pids():
                     kill_tree(pid)
-        time.sleep(POLL_S)
+        time.sleep(getattr(job, "poll_s", None) or POLL_S)  # node agents: faster in a recovery
     job.watch.read_events()
     code = job.exit_code()
     job.timeline.add("done", f"done, exit code {code}", exit_code=code)

@@ -41,6 +41,8 @@ AGENT_PREFIX = "unbroken/agent-"  # +<id>/beat: a counter the agent bumps, its h
 DONE_SUFFIX = "done"  # <slot key>/done: the node's ranks all finished training
 SPAWN_KEY = "spawn"  # unbroken/gen-<g>/spawn-<agent id>: JSON ranks to start for g
 SETTLED_KEY = "settled"  # unbroken/gen-<g>/settled-<agent id>: JSON ranks the node lost
+SUSPECT_KEY = "unbroken/suspect"  # -<g>: "<rank>," per worker that saw a peer vanish in g
+PING_SUFFIX = "ping"  # unbroken/agent-<id>/ping: a counter; /ping-<n>: beat now, please
 
 # -- files in the heartbeat directory ---------------------------------------------------
 

@@ -21,6 +21,15 @@ What it decides, and nothing else (the node agents, `unbroken.run.agent`, do the
 * node loss: each agent bumps a counter of its own every `unbroken.run.agent.BEAT_S`; a
   slot whose counter has not moved for ``--node-timeout`` is lost: the coordinator aborts
   the running generation and frees the slot for a replacement agent;
+* sooner, on a worker's word: a worker whose collective failed on a lost peer (its
+  connection closed: the peer's process or machine is gone) appends its rank to
+  ``unbroken/suspect-<g>``. The coordinator then pings every agent
+  (``unbroken/agent-<id>/ping-<n>``, which the agent waits on and answers with a beat)
+  and declares lost, after ``--suspect-timeout``, every node whose agent has not beaten
+  since and none of whose ranks reported: a dead machine is found in a fraction of a
+  second instead of the node timeout, while a live agent has the whole
+  ``--suspect-timeout`` to answer a ping that reaches it in milliseconds (and beats on
+  its own every `BEAT_S` besides);
 * generations: generation 0 starts once every slot has an agent; after an abort of
   generation g, generation g+1 starts once every slot again has a live agent and every
   agent of g still alive has said which of its ranks it lost (``settled``). Each agent is
@@ -40,6 +49,7 @@ from unbroken.run import contract
 
 POLL_S = 0.02
 NODE_TIMEOUT_S = 2.0
+SUSPECT_TIMEOUT_S = 0.2
 
 
 def log(message: str) -> None:
@@ -49,9 +59,15 @@ def log(message: str) -> None:
 class Coordinator:
     """The coordinator's state over its own ``store`` (it is the store's master)."""
 
-    def __init__(self, store: Any, node_timeout: float = NODE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        store: Any,
+        node_timeout: float = NODE_TIMEOUT_S,
+        suspect_timeout: float = SUSPECT_TIMEOUT_S,
+    ) -> None:
         self.store = store
         self.node_timeout = node_timeout
+        self.suspect_timeout = min(suspect_timeout, node_timeout)
         self.nnodes = 0
         self.local = 0
         self.generation = 0
@@ -59,6 +75,7 @@ class Coordinator:
         self.members: dict[int, str] = {}  # slot -> agent of the running generation
         self.beats: dict[str, tuple[int, float]] = {}  # agent -> (counter, when it moved)
         self.aborted = False
+        self.suspected: float | None = None  # when a worker of this generation reported
 
     def poll(self) -> bool:
         """One look; False once every node reported its ranks done."""
@@ -72,13 +89,16 @@ class Coordinator:
         if self.store.check(done):
             log("every node finished")
             return False
-        owners = self._owners()
+        now = time.monotonic()
+        owners = self._owners(now)
         if not self.started:
             if len(owners) == self.nnodes:
                 self._start(owners, {})
             return True
         if not self.aborted:
             self.aborted = self.store.check([self._abort_key()])
+            if not self.aborted:
+                self._suspect(owners, now)
         if self.aborted and len(owners) == self.nnodes and self._settled(owners):
             self._next(owners)
         return True
@@ -89,10 +109,9 @@ class Coordinator:
     def _abort_key(self) -> str:
         return f"{contract.ABORT_KEY}-{self.generation}"
 
-    def _owners(self) -> dict[int, str]:
+    def _owners(self, now: float) -> dict[int, str]:
         """The slots held by a live agent; frees (and reports) those whose agent is gone."""
         owners: dict[int, str] = {}
-        now = time.monotonic()
         for slot in range(self.nnodes):
             key = self._key(slot, "owner")
             if not self.store.check([key]) or self.store.check([self._key(slot, "done")]):
@@ -103,13 +122,32 @@ class Coordinator:
             if last is None or last[0] != count:
                 self.beats[agent] = (count, now)
             elif now - last[1] > self.node_timeout:
-                self._lose(slot, agent, now - last[1])
+                self._lose(slot, agent, f"silent for {now - last[1]:.1f} s")
                 continue
             owners[slot] = agent
         return owners
 
-    def _lose(self, slot: int, agent: str, idle: float) -> None:
-        log(f"node {slot} (agent {agent}) silent for {idle:.1f} s: lost; slot {slot} is free")
+    def _suspect(self, owners: dict[int, str], now: float) -> None:
+        """Act on workers' reports of a lost peer in the running generation: ping every
+        agent, then lose the nodes with neither a beat since nor a reporting rank."""
+        key = f"{contract.SUSPECT_KEY}-{self.generation}"
+        if self.suspected is None:
+            if self.store.check([key]):
+                self.suspected = now
+                for agent in owners.values():
+                    ping(self.store, agent)
+            return
+        if now - self.suspected < self.suspect_timeout:
+            return
+        ranks = self.store.get(key).decode().split(",")
+        reported = {int(r) // self.local for r in ranks if r.strip()}
+        for slot, agent in owners.items():
+            if slot not in reported and self.beats[agent][1] <= self.suspected:
+                why = f"did not answer within {self.suspect_timeout:g} s after a peer was lost"
+                self._lose(slot, agent, why)
+
+    def _lose(self, slot: int, agent: str, why: str) -> None:
+        log(f"node {slot} (agent {agent}) {why}: lost; slot {slot} is free")
         self.store.delete_key(self._key(slot, "owner"))
         self.beats.pop(agent, None)
         if self.started:
@@ -135,6 +173,7 @@ class Coordinator:
         self.members = dict(owners)
         self.started = True
         self.aborted = False
+        self.suspected = None
 
     def _next(self, owners: dict[int, str]) -> None:
         lost: dict[int, list[int]] = {}
@@ -152,7 +191,15 @@ class Coordinator:
         )
 
 
-def serve(host: str, port: int, node_timeout: float, exit_when_done: bool) -> int:
+def ping(store: Any, agent: str) -> None:
+    """Ask ``agent`` to beat at once (`unbroken.run.agent.NodeAgent` waits for it)."""
+    counter = f"{contract.AGENT_PREFIX}{agent}/{contract.PING_SUFFIX}"
+    store.set(f"{counter}-{int(store.add(counter, 1))}", "")
+
+
+def serve(
+    host: str, port: int, node_timeout: float, suspect_timeout: float, exit_when_done: bool
+) -> int:
     import torch.distributed as dist
 
     store = dist.TCPStore(
@@ -160,7 +207,7 @@ def serve(host: str, port: int, node_timeout: float, exit_when_done: bool) -> in
     )
     store.add(contract.GENERATION_KEY, 0)
     print(f"unbroken coordinator: listening on {host}:{store.port}", flush=True)
-    coordinator = Coordinator(store, node_timeout)
+    coordinator = Coordinator(store, node_timeout, suspect_timeout)
     while coordinator.poll() or not exit_when_done:
         time.sleep(POLL_S)
     return 0
@@ -183,14 +230,22 @@ def main(argv: list[str]) -> int:
         help=f"a node agent silent this long is lost (default {NODE_TIMEOUT_S:g})",
     )
     p.add_argument(
+        "--suspect-timeout",
+        type=float,
+        default=SUSPECT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="once a worker reports a lost peer, a node whose agent does not answer the "
+        f"coordinator's ping this long is lost (default {SUSPECT_TIMEOUT_S:g})",
+    )
+    p.add_argument(
         "--exit-when-done",
         action="store_true",
         help="exit once every node finished (default: serve until stopped)",
     )
     a = p.parse_args(argv)
-    if a.node_timeout <= 0:
-        p.error("--node-timeout must be positive")
-    return serve(a.host, a.port, a.node_timeout, a.exit_when_done)
+    if a.node_timeout <= 0 or a.suspect_timeout <= 0:
+        p.error("--node-timeout and --suspect-timeout must be positive")
+    return serve(a.host, a.port, a.node_timeout, a.suspect_timeout, a.exit_when_done)
 
 
 if __name__ == "__main__":
