@@ -67,6 +67,7 @@ class Watch:
         self.finished: dict[int, int] = {}  # pid -> rank: train() returned, exiting
         self.last_kill = float("-inf")  # monotonic
         self.offsets: dict[str, int] = {}  # events file -> bytes read
+        timeline.log = os.path.join(directory, contract.LAUNCHER_EVENTS)
 
     def poll(self) -> None:
         """One look at everything: events first, then node-kill requests, heartbeats."""
@@ -106,6 +107,10 @@ class Watch:
 
     def _record(self, e: dict[str, Any]) -> None:
         name, t = e.pop("event"), e.pop("t")
+        if name == "steps":  # step spans: for `unbroken goodput`; the timeline keeps the last
+            step, _, end = e["spans"][-1]
+            self.timeline.last_step[e["pid"]] = (step, end)
+            return
         if e.get("process_start") is not None:  # like every time: since launch
             e["process_start"] = round(e["process_start"] - self.timeline.t0, 4)
         message = None
@@ -115,7 +120,7 @@ class Watch:
             # A rank whose train() returned ticks no more: the watchdog leaves it alone.
             self.finished[e["pid"]] = e["rank"]
             self.ignore(e["pid"])
-        self.timeline.add(name, message, t=t, **e)
+        self.timeline.record(name, message, t, **e)
 
     # -- kill-node requests
 
@@ -145,6 +150,8 @@ class Watch:
                     rank=rank,
                     pid=pid,
                     step=step,
+                    attempt=attempt,
+                    silent_s=round(now - t, 3),  # since its last heartbeat
                 )
             elif (
                 self.timeout
