@@ -112,8 +112,17 @@ def test_a_failure_during_a_save(tmp_path):
     # Per rank: init 0-1 and 11-12, detection 9.5-10.5, restart 10.5-11, restore 12-13,
     # steps 1-4 and 5-10 productive, the first 5-8 recomputed, 19-19.5 the end. Rank 0
     # saved 9-9.5 (checkpoint), rank 1 lost 9-9.5 of work in flight (recompute).
-    approx(a.seconds, productive=10.0, init=2.0, detection=1.0, restart=0.5, restore=1.0,
-           recompute=4.25, checkpoint=0.25, other=0.5)  # fmt: skip
+    approx(
+        a.seconds,
+        productive=10.0,
+        init=2.0,
+        detection=1.0,
+        restart=0.5,
+        restore=1.0,
+        recompute=4.25,
+        checkpoint=0.25,
+        other=0.5,
+    )
     assert a.steps_recomputed == 4
     assert a.failures == [
         {"what": "fault: kill rank=1 step=8", "t": 9.5, "step": 8, "detected_t": 10.5}
@@ -136,8 +145,17 @@ def test_a_real_failure_during_recovery(tmp_path):
     # Rank 1: the second failure is dated to its process's last sign of life (12.0), so
     # detection 12.0-12.8, restart 12.8-13.5, init 13.5-14, restore 14-14.5. Rank 0 was
     # restoring until 12.6: restore 0.6 + 0.5 and detection 1 + 0.2.
-    approx(a.seconds, productive=10.0, init=2.5, detection=1.5, restart=1.2, restore=0.8,
-           recompute=4.25, checkpoint=0.25, other=0.5)  # fmt: skip
+    approx(
+        a.seconds,
+        productive=10.0,
+        init=2.5,
+        detection=1.5,
+        restart=1.2,
+        restore=0.8,
+        recompute=4.25,
+        checkpoint=0.25,
+        other=0.5,
+    )
     assert [f["what"] for f in a.failures] == [
         "fault: kill rank=1 step=8",
         "real failure: rank 1 exited",
@@ -202,17 +220,27 @@ def test_the_html_report_renders_in_chromium_with_the_printed_numbers(tmp_path, 
     assert figures["badput_s"]["checkpoint"] == 0.25 and figures["steps_recomputed"] == 4
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     dom = subprocess.run(
-        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-         (tmp_path / "goodput.html").as_uri()],
-        capture_output=True, text=True, timeout=60, check=True,
-    ).stdout  # fmt: skip
+        [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--dump-dom",
+            (tmp_path / "goodput.html").as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     # The table is built by the page's script: rows are only there if it ran.
     cell = r"</td><td>([^<]+)"
     rows = re.findall(rf'<tr id="row-(\w+)"[^>]*>.*?</span>([^<]+){cell}{cell}<', dom)
     assert len(rows) == 10, dom[:2000]
     for _, what, seconds, share in rows:
-        assert re.search(rf"^  {re.escape(what)} +{re.escape(seconds)} +{re.escape(share)}$",
-                         printed, re.M), (what, seconds, share, printed)  # fmt: skip
+        assert re.search(
+            rf"^  {re.escape(what)} +{re.escape(seconds)} +{re.escape(share)}$", printed, re.M
+        ), (what, seconds, share, printed)
     goodput = re.search(r'<span id="goodput">([^<]+)</span>', dom)
     assert goodput is not None and f"goodput of {run_dir}: {goodput[1]} " in printed
     assert dom.count("<rect") >= 2 * 8  # the timeline: a bar per segment, both ranks
@@ -255,8 +283,16 @@ JOB = textwrap.dedent(
 def test_a_real_run_with_a_real_crash_is_accounted_for(tmp_path):
     (tmp_path / "job.py").write_text(JOB)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "unbroken", "run", "--nproc-per-node=2", "--max-restarts=1",
-           str(tmp_path / "job.py"), str(tmp_path / "ckpt")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "unbroken",
+        "run",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        str(tmp_path / "job.py"),
+        str(tmp_path / "ckpt"),
+    ]
     env = {**dict(__import__("os").environ), contract.RUN_DIR_ENV: str(run_dir)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -35,8 +35,16 @@ from unbroken.run.timeline import DETECTIONS, failures
 
 Event = dict[str, Any]
 Interval = tuple[float, float, str]
-PRIORITY = ("checkpoint", "restore", "data", "init", "detection", "restart", "recompute",
-            "productive")  # fmt: skip
+PRIORITY = (
+    "checkpoint",
+    "restore",
+    "data",
+    "init",
+    "detection",
+    "restart",
+    "recompute",
+    "productive",
+)
 CAUSES = {
     "checkpoint": "checkpoint stall",
     "detection": "failure detection",
@@ -47,9 +55,12 @@ CAUSES = {
     "data": "data warm-up",
     "other": "other",
 }
-PAIRS = {"save_start": ("save_end", "checkpoint"), "snapshot_start": ("snapshot_end",
-         "checkpoint"), "restore_start": ("restore_done", "restore"),
-         "persist_start": ("persist_end", "persist")}  # fmt: skip
+PAIRS = {
+    "save_start": ("save_end", "checkpoint"),
+    "snapshot_start": ("snapshot_end", "checkpoint"),
+    "restore_start": ("restore_done", "restore"),
+    "persist_start": ("persist_end", "persist"),
+}
 
 
 @dataclass
@@ -131,8 +142,7 @@ def _failures(events: list[Event]) -> list[Event]:
 def _public(f: Event, t0: float) -> Event:
     detected = None if f["detected"] is None else round(f["detected"] - t0, 4)
     what = f["spec"] if f.get("real") else f"fault: {f['spec']}"
-    return {"what": what, "t": round(f["t"] - t0, 4), "step": f["step"],
-            "detected_t": detected}  # fmt: skip
+    return {"what": what, "t": round(f["t"] - t0, 4), "step": f["step"], "detected_t": detected}
 
 
 def _rank(
@@ -160,8 +170,10 @@ def _spans(mine: list[Event]) -> tuple[list[Interval], int]:
         (s for e in mine if e["event"] == "steps" for s in e["spans"]), key=lambda s: s[2]
     )
     last = {s[0]: i for i, s in enumerate(spans)}
-    out = [(a, b, "productive" if last[step] == i else "recompute")
-           for i, (step, a, b) in enumerate(spans)]  # fmt: skip
+    out = [
+        (a, b, "productive" if last[step] == i else "recompute")
+        for i, (step, a, b) in enumerate(spans)
+    ]
     return out, len(spans) - len(last)
 
 

@@ -55,8 +55,10 @@ def main(argv: list[str]) -> int:
         plot.timeline(a, where, png)
         wrote.append(str(png))
     elif args.png is not None:
-        print("unbroken goodput: --png needs matplotlib: pip install 'unbroken[plot]'",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "unbroken goodput: --png needs matplotlib: pip install 'unbroken[plot]'",
+            file=sys.stderr,
+        )
         return 2
     print(f"wrote {', '.join(wrote)}", file=sys.stderr)
     return 0

@@ -28,8 +28,13 @@ def timeline(a: Account, where: str, path: Path) -> None:
             ax.broken_barh(bars, (row - 0.35, 0.7), facecolors=COLOURS[label])
     for i, f in enumerate(a.failures):
         ax.axvline(f["t"], color="black", linestyle="--", linewidth=1)
-        ax.text(f["t"], 1.02 + 0.07 * (i % 2), f" {f['what']}", fontsize=8,
-                transform=ax.get_xaxis_transform())  # fmt: skip
+        ax.text(
+            f["t"],
+            1.02 + 0.07 * (i % 2),
+            f" {f['what']}",
+            fontsize=8,
+            transform=ax.get_xaxis_transform(),
+        )
     ax.set_yticks(range(len(a.ranks)), [f"rank {r}" for r in a.ranks])
     ax.set_ylim(len(a.ranks) - 0.5, -0.5)
     ax.set_xlim(0, a.wall_s)
@@ -40,10 +45,14 @@ def timeline(a: Account, where: str, path: Path) -> None:
         for k in COLOURS
         if a.seconds[k] > 0
     ]
-    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8,
-              frameon=False)  # fmt: skip
-    ax.set_title(f"goodput {pct(a.seconds['productive'], a.wall_s)}: {where}", fontsize=10,
-                 pad=26 if a.failures else 6)  # fmt: skip
+    ax.legend(
+        handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False
+    )
+    ax.set_title(
+        f"goodput {pct(a.seconds['productive'], a.wall_s)}: {where}",
+        fontsize=10,
+        pad=26 if a.failures else 6,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -25,8 +25,14 @@ def pct(seconds: float, wall: float) -> str:
 def figures(a: Account) -> list[tuple[str, str, str, str]]:
     """(key, what, seconds, share) rows: productive first, then each cause of badput,
     largest first, then the total."""
-    rows = [("productive", "productive training", f"{a.seconds['productive']:.2f}",
-             pct(a.seconds["productive"], a.wall_s))]  # fmt: skip
+    rows = [
+        (
+            "productive",
+            "productive training",
+            f"{a.seconds['productive']:.2f}",
+            pct(a.seconds["productive"], a.wall_s),
+        )
+    ]
     for key in sorted(CAUSES, key=lambda k: -a.seconds[k]):
         rows.append((key, CAUSES[key], f"{a.seconds[key]:.2f}", pct(a.seconds[key], a.wall_s)))
     rows.append(("wall", "wall clock (mean over ranks)", f"{a.wall_s:.2f}", "100.00 %"))

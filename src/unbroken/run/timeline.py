@@ -90,7 +90,8 @@ def _recovery_lines(r: Recovery, phases: list[tuple[str, str]]) -> list[str]:
         return "   -   " if r[key] is None else f"{r[key]:7.2f}"
 
     lines = [
-        f"  {at('fault_t')}  {r['fault']} at step {_step(r['fault_step'])}",
+        f"  {at('fault_t')}  {'' if r['real'] else 'fault: '}{r['fault']} at step "
+        f"{_step(r['fault_step'])}",
         f"  {at('detected_t')}  detected ({r['detected_by']})",
         *(f"  {at(key)}  {what}" for key, what in phases),
     ]
@@ -165,7 +166,8 @@ def _detection(fault: Event, after: list[Event]) -> Recovery:
     """What every recovery starts with: the fault, and the first sign of it."""
     detected = next((e for e in after if e["event"] in DETECTIONS), None)
     return {
-        "fault": fault["spec"] if fault.get("real") else f"fault: {fault['spec']}",
+        "fault": fault["spec"],
+        "real": bool(fault.get("real")),
         "fault_t": fault["t"],
         "fault_step": fault["step"],
         "detected_t": None if detected is None else detected["t"],
