@@ -148,7 +148,8 @@ class LaunchContext:
         previous tick or event to now. Buffered; flushed at most every `FLUSH_S`."""
         now = time.time()
         with self.lock:
-            self._start()
+            if not self.started:
+                self._start()
             self.spans.append((step, self.mark, now))
             self.mark = now
             self.last_step = step
