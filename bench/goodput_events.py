@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import new_table, print_result, show
 
+from common import new_table, print_result, show
 from unbroken.run import contract, worker
 
 TARGET = 0.005  # the log's cost, as a share of the step
@@ -35,7 +35,9 @@ def model(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Ten
     return net, torch.optim.AdamW(net.parameters()), torch.randn(64, width)
 
 
-def block(net: Any, opt: Any, x: torch.Tensor, steps: int, first: int, save_every: int) -> list:
+def block(
+    net: Any, opt: Any, x: torch.Tensor, steps: int, first: int, save_every: int
+) -> list[float]:
     """``steps`` training steps from step ``first``; each step's seconds."""
     times = []
     for step in range(first, first + steps):
@@ -77,14 +79,14 @@ def measure(args: argparse.Namespace, directory: str) -> dict[str, Any]:
     times: dict[bool, list[float]] = {False: [], True: []}
     step = 10
     for r in range(args.rounds):
-        for on in (False, True) if r % 2 == 0 else (True, False):
-            logging(on, directory)
-            times[on] += block(net, opt, x, args.steps, step, args.save_every)
+        for logged in (False, True) if r % 2 == 0 else (True, False):
+            logging(logged, directory)
+            times[logged] += block(net, opt, x, args.steps, step, args.save_every)
             step += args.steps
     logging(False, directory)
     files = list(Path(directory).glob("events-*.jsonl"))
     lines = sum(len(f.read_text().splitlines()) for f in files)
-    per_tick = tick_cost(directory, 200_000)
+    per_tick = tick_cost(directory, 50_000)
     logging(False, directory)
     off, on = statistics.median(times[False]), statistics.median(times[True])
     return {
