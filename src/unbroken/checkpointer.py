@@ -198,7 +198,6 @@ class Checkpointer:
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
         worker.tick(step)
-        worker.event("save_start", step=step, blocking=blocking)
         self._surface_failure()
         self._stepper.observe(state, self._memory)
         arena = None if blocking else self._stager.acquire(wait=self.if_busy == "wait")
@@ -218,7 +217,6 @@ class Checkpointer:
         handle = self._submit(staged, background=not blocking)
         if blocking:
             handle.wait()
-        worker.event("save_end", step=step)
         return handle
 
     def _submit(self, staged: saving.Staged, background: bool) -> PendingSave:
@@ -231,7 +229,6 @@ class Checkpointer:
     def _persist(self, staged: saving.Staged, background: bool) -> bool:
         """Runs on the worker. A background failure is logged at once and kept for the
         next `save` or `wait`; a blocking one is raised to the caller only."""
-        worker.event("persist_start", step=staged.step, background=background)
         try:
             context = saving.SaveContext(
                 comm=self._comm, directory=self._directory, io_threads=self.io_threads,
@@ -245,7 +242,6 @@ class Checkpointer:
                     self._failure = (staged.step, e)
             raise
         finally:
-            worker.event("persist_end", step=staged.step)
             if staged.arena is not None:
                 self._stager.release(staged.arena)
 
@@ -291,7 +287,6 @@ class Checkpointer:
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
         worker.tick(step)
-        worker.event("snapshot_start", step=step)
         self._surface_failure()
         if self._replicating is not None:
             # The slot about to be overwritten may be the one still being sent.
@@ -301,7 +296,6 @@ class Checkpointer:
         staged = saving.stage(step, state, arena=None)
         blocks = zip(staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True)
         self._memory.write(step, list(blocks), staged.tree)
-        worker.event("snapshot_end", step=step)
         if self._replica_partners or self._replica_sources:
             self._replicating = self._worker.submit(self._replicate, self._memory, step)
 

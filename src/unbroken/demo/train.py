@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from datetime import timedelta
@@ -25,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 import unbroken
 from unbroken.demo import EVENT_PREFIX
 from unbroken.demo.model import CharVocab, GPTConfig, ShardedBatches, TinyGPT, load_corpus
+from unbroken.run.contract import EVENTS_DIR_ENV
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -48,6 +50,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # The goodput event log (`unbroken goodput DIR/events/<run>`), next to the checkpoints.
+    os.environ.setdefault(
+        EVENTS_DIR_ENV, os.path.join(args.dir, os.pardir, "events", os.path.basename(args.dir))
+    )
     # One thread per rank: the demo runs two ranks on two cores, and a fixed thread count
     # also fixes the order of floating-point reductions inside each op.
     torch.set_num_threads(1)

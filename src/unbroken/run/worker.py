@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -137,6 +139,7 @@ class LaunchContext:
         data = "".join(line + "\n" for _, line in self.buffer).encode()
         self.buffer = []
         path = os.path.join(self.events_dir, contract.events_file(self.rank, os.getpid()))
+        os.makedirs(self.events_dir, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, data)
@@ -247,6 +250,37 @@ def flush() -> None:
     """Write the buffered events now (they are also written at exit, and before a
     process kills itself for an injected fault)."""
     current().flush()
+
+
+def instrument(cls: type) -> None:
+    """Time a Checkpointer class's ``save`` and ``snapshot`` (training waits for them) and
+    ``_persist`` (its save thread writing a checkpoint) in the event log, as
+    ``<name>_start`` and ``<name>_end`` events: `unbroken` applies it to `Checkpointer`,
+    so the Checkpointer itself carries no event-log code. A save or snapshot ticks its
+    step first, so the step it follows ends where the save begins."""
+    timed: dict[str, Callable[..., dict[str, Any]]] = {
+        "save": lambda step, state, blocking=True: {"step": step, "blocking": blocking},
+        "snapshot": lambda step, state: {"step": step},
+        "_persist": lambda staged, background: {"step": staged.step, "background": background},
+    }
+    for name, fields in timed.items():
+        setattr(cls, name, _timed(name.lstrip("_"), getattr(cls, name), fields))
+
+
+def _timed(name: str, method: Callable[..., Any], fields: Callable[..., dict[str, Any]]) -> Any:
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        info = fields(*args, **kwargs)
+        step = info["step"]
+        if name != "persist" and isinstance(step, int) and step >= 0:
+            tick(step)
+        event(f"{name}_start", **info)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            event(f"{name}_end", step=step)
+
+    return run
 
 
 def new_attempt(attempt: int) -> None:
