@@ -129,6 +129,22 @@ def test_a_failure_during_a_save(tmp_path):
     ]
 
 
+def test_a_process_that_stops_without_a_launcher_record_is_a_failure():
+    """Plain torchrun keeps no log (the demo's launches): a rank's next process starting
+    with no failure on record means the previous one stopped."""
+    events = []
+    for r in (0, 1):
+        events += [*proc(r, 100 + r, 0.0, 1.0), steps(r, 100 + r, 1, 4, 1.0)]
+        events += [*proc(r, 200 + r, 7.0, 8.0), steps(r, 200 + r, 3, 6, 8.0)]
+    a = account(events)
+    assert [(f["what"], f["t"], f["step"], f["detected_t"]) for f in a.failures] == [
+        ("real failure: rank 0's process stopped (no launcher record)", 5.0, 4, None)
+    ]
+    # Per rank: init 0-1 and 7-8, steps 1-2 and 3-6 productive, the first 3-4 redone,
+    # and from the last sign of life (5.0) to the next process: restart.
+    approx(a.seconds, productive=6.0, recompute=2.0, init=2.0, restart=2.0)
+
+
 def test_a_real_failure_during_recovery(tmp_path):
     """Rank 1's new process dies in its restore (a real failure: no fault injected);
     a second restart follows."""

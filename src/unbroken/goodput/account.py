@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from unbroken.run.timeline import DETECTIONS, failures
@@ -102,7 +103,7 @@ def account(events: list[Event]) -> Account:
         raise ValueError("no worker events: nothing to account for")
     t0 = next((e["t"] for e in events if e["event"] == "launch"), None)
     if t0 is None:
-        t0 = min(e.get("process_start") or e["t"] for e in events)
+        t0 = min(_began(e) for e in events)
     t1 = max(_end(e) for e in events)
     failed = _failures(events)
     per_rank = {r: _rank(events, r, failed, t0, t1) for r in ranks}
@@ -122,6 +123,11 @@ def account(events: list[Event]) -> Account:
 _LABELS = ("productive", *CAUSES)
 
 
+def _began(e: Event) -> float:
+    """When a process began, for its ``process_start`` event; else the event's time."""
+    return e["t"] if e.get("process_start") is None else e["process_start"]
+
+
 def _end(e: Event) -> float:
     return e["spans"][-1][2] if e["event"] == "steps" and e["spans"] else e["t"]
 
@@ -136,6 +142,30 @@ def _failures(events: list[Event]) -> list[Event]:
     for f in failures(events, last):
         seen = (e["t"] for e in events if e["event"] in DETECTIONS and e["t"] >= f["t"])
         out.append({**f, "detected": next(seen, None)})
+    return sorted(out + _silent_ends(events, out, last), key=lambda f: f["t"])
+
+
+def _silent_ends(
+    events: list[Event], known: list[Event], last: dict[int, tuple[int, float]]
+) -> list[Event]:
+    """Processes that stopped with no failure on record (a launcher that keeps no log,
+    such as plain torchrun, or one killed with its job): a rank's process whose next
+    process started with no known failure since the first one started. Dated to its last
+    sign of life, never detected."""
+    procs: dict[tuple[int, int], list[float]] = {}  # (rank, pid) -> [start, last seen]
+    for e in events:
+        if "pid" in e and e.get("rank") is not None and e["event"] not in DETECTIONS:
+            span = procs.setdefault((e["rank"], e["pid"]), [_began(e), 0.0])
+            span[1] = max(span[1], _end(e))
+    out: list[Event] = []
+    by_rank = sorted(procs.items(), key=lambda kv: (kv[0][0], kv[1][0]))
+    for ((rank, pid), (start, seen)), ((rank2, _), (start2, _)) in pairwise(by_rank):
+        if rank != rank2 or any(start < f["t"] < start2 for f in known + out):
+            continue
+        what = f"real failure: rank {rank}'s process stopped (no launcher record)"
+        step = last.get(pid, (None, 0.0))[0]
+        out.append({"event": "fault", "t": seen, "spec": what, "step": step, "real": True,
+                    "detected": None})  # fmt: skip
     return out
 
 
@@ -216,7 +246,7 @@ def _segments(mine: list[Event]) -> list[tuple[float, list[Event]]]:
         groups[(e["pid"], e.get("attempt", 0))].append(e)
     out = []
     for evs in groups.values():
-        start = next((e["process_start"] for e in evs if e.get("process_start")), None)
+        start = next((_began(e) for e in evs if e.get("process_start") is not None), None)
         out.append((evs[0]["t"] if start is None else start, evs))
     return sorted(out, key=lambda s: s[0])
 

@@ -121,7 +121,9 @@ def failures(events: list[Event], last_step: dict[int, tuple[int, float]]) -> li
     open_: float | None = None  # when the failure still being recovered from struck
     ended_ok = any(e["event"] == "done" and e.get("exit_code") == 0 for e in events)
     started = {
-        e["pid"]: e.get("process_start") or e["t"] for e in events if e["event"] == "process_start"
+        e["pid"]: e["t"] if e.get("process_start") is None else e["process_start"]
+        for e in events
+        if e["event"] == "process_start"
     }
     for i, e in enumerate(events):
         if e["event"] == "fault":
