@@ -65,6 +65,7 @@ class Watch:
         self.seen_exit: set[int] = set()  # pids whose exit is on the timeline
         self.ignored: set[int] = set()  # pids killed, or done training: never stale
         self.finished: dict[int, int] = {}  # pid -> rank: train() returned, exiting
+        self.closing: dict[int, float] = {}  # pid -> when its Checkpointer closed
         self.last_kill = float("-inf")  # monotonic
         self.offsets: dict[str, int] = {}  # events file -> bytes read
         timeline.log = os.path.join(directory, contract.LAUNCHER_EVENTS)
@@ -116,6 +117,8 @@ class Watch:
         message = None
         if name == "fault":
             message = f"fault injected: {e['spec']} (rank {e['rank']} at step {e['step']})"
+        if name == "closing":  # judged again only once it ticks after this
+            self.closing[e["pid"]] = t
         if name == "train_done":
             # A rank whose train() returned ticks no more: the watchdog leaves it alone.
             self.finished[e["pid"]] = e["rank"]
@@ -157,6 +160,7 @@ class Watch:
                 self.timeout
                 and now - self.hooks.since(t, attempt) > self.timeout
                 and pid not in self.ignored
+                and t > self.closing.get(pid, float("-inf"))
             ):
                 stale.append(Stale(step, t, rank, pid))
         if stale and time.monotonic() - self.last_kill > self.timeout:

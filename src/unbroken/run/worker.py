@@ -255,7 +255,9 @@ def flush() -> None:
 def instrument(cls: type) -> None:
     """Time a Checkpointer class's ``save`` and ``snapshot`` (training waits for them) and
     ``_persist`` (its save thread writing a checkpoint) in the event log, as
-    ``<name>_start`` and ``<name>_end`` events: `unbroken` applies it to `Checkpointer`,
+    ``<name>_start`` and ``<name>_end`` events, and its ``close`` as ``closing`` (the
+    launcher's watchdog leaves a process alone from then until its next tick, so a slow
+    shutdown is not taken for a hang): `unbroken` applies it to `Checkpointer`,
     so the Checkpointer itself carries no event-log code. A save or snapshot ticks its
     step first, so the step it follows ends where the save begins."""
     timed: dict[str, Callable[..., dict[str, Any]]] = {
@@ -265,6 +267,15 @@ def instrument(cls: type) -> None:
     }
     for name, fields in timed.items():
         setattr(cls, name, _timed(name.lstrip("_"), getattr(cls, name), fields))
+    close = cls.close  # type: ignore[attr-defined]
+
+    @functools.wraps(close)
+    def closing(self: Any) -> None:
+        # Training is over unless a tick follows: the watchdog leaves a shutdown alone.
+        event("closing")
+        close(self)
+
+    cls.close = closing  # type: ignore[attr-defined]
 
 
 def _timed(name: str, method: Callable[..., Any], fields: Callable[..., dict[str, Any]]) -> Any:
