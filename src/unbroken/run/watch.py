@@ -18,6 +18,8 @@ from unbroken.run import contract
 from unbroken.run.procs import alive
 from unbroken.run.timeline import Timeline
 
+CLOSE_GRACE = 10  # heartbeat timeouts a process may take to shut down after closing
+
 
 class Stale(NamedTuple):
     """A rank past the heartbeat timeout: its last step and beat (wall clock)."""
@@ -160,11 +162,19 @@ class Watch:
                 self.timeout
                 and now - self.hooks.since(t, attempt) > self.timeout
                 and pid not in self.ignored
-                and t > self.closing.get(pid, float("-inf"))
+                and not self.shutting_down(pid, t, now)
             ):
                 stale.append(Stale(step, t, rank, pid))
         if stale and time.monotonic() - self.last_kill > self.timeout:
             self.hooks.on_hang(stale, now)
+
+    def shutting_down(self, pid: int, beat: float, now: float) -> bool:
+        """Whether ``pid`` closed its Checkpointer after its last beat, not too long ago:
+        a process shutting down after its last step ticks no more, and may take longer
+        than the heartbeat timeout on a loaded machine. A close that takes
+        `CLOSE_GRACE` heartbeat timeouts is a hang after all."""
+        closed = self.closing.get(pid)
+        return closed is not None and beat <= closed and now - closed < CLOSE_GRACE * self.timeout
 
     def _read_beats(self) -> None:
         for name in os.listdir(self.dir):
