@@ -5,6 +5,7 @@ real headless Chromium, and a real `unbroken run` whose log `unbroken goodput` r
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -325,3 +326,34 @@ def test_a_real_run_with_a_real_crash_is_accounted_for(tmp_path):
         assert figures["badput_s"][cause] > 0, cause
     total = figures["productive_s"] + sum(figures["badput_s"].values())
     assert total == pytest.approx(figures["wall_s"], abs=0.01)
+
+
+class Hooks:
+    def __init__(self) -> None:
+        self.hung: list[int] = []
+
+    def since(self, beat: float, attempt: int) -> float:
+        return beat
+
+    def on_hang(self, stale, now: float) -> None:
+        self.hung += [s.rank for s in stale]
+
+    def kill_node(self, node: int) -> None:
+        raise AssertionError("no node to kill")
+
+
+@pytest.mark.parametrize("closed_ago, hung", [(1.0, False), (6.0, True), (None, True)])
+def test_the_watchdog_lets_a_closing_process_shut_down_for_a_while(tmp_path, closed_ago, hung):
+    """A process that closed its Checkpointer after its last beat is shutting down, not
+    hung, for up to `CLOSE_GRACE` heartbeat timeouts (0.5 s here)."""
+    from unbroken.run.watch import Watch
+
+    now = time.time()
+    beat = f"24 {now - closed_ago - 1 if closed_ago else now - 2:.6f} {os.getpid()} 0"
+    (tmp_path / "rank-0").write_text(beat.ljust(contract.HEARTBEAT_BYTES - 1) + "\n")
+    if closed_ago is not None:
+        closing = {"event": "closing", "t": now - closed_ago, "rank": 0, "pid": os.getpid()}
+        (tmp_path / f"events-0-{os.getpid()}.jsonl").write_text(json.dumps(closing) + "\n")
+    hooks = Hooks()
+    Watch(str(tmp_path), Timeline(), 0.5, hooks).poll()
+    assert hooks.hung == ([0] if hung else [])
