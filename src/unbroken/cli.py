@@ -68,6 +68,14 @@ def _dispatch(args: list[str]) -> int:
         from unbroken.run.cli import main as run
 
         return run(args[1:])
+    if args[:1] == ["goodput"]:
+        from unbroken.goodput.cli import main as goodput
+
+        return goodput(args[1:])
+    if args[:1] == ["simulate"]:
+        from unbroken.goodput.simulate_cli import main as simulate
+
+        return simulate(args[1:])
     if args[:1] == ["coordinator"]:
         from unbroken.run.coordinator import main as coordinator
 
@@ -140,6 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="train, kill and resume a small GPT under torchrun (30-40 s)")
     sub.add_parser("run", help="torchrun with restarts, hang detection and fault injection")
     sub.add_parser("coordinator", help="the store of a multi-node `run --in-process` job")
+    sub.add_parser("goodput", help="goodput and badput by cause of a run, from its event logs")
+    sub.add_parser("simulate", help="project goodput at cluster scale (discrete-event)")
     return parser
 
 

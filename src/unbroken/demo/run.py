@@ -167,7 +167,7 @@ def _write_timeline(path: Path, args: argparse.Namespace, launches: dict[str, La
 def _keep_or_clean(console: Console, root: Path, created: bool, clean: bool) -> None:
     """Delete what the demo wrote (--clean), or say where it is and what to try on it."""
     if clean:
-        for name in ("uninterrupted", "killed"):
+        for name in ("uninterrupted", "killed", "events"):
             shutil.rmtree(root / name, ignore_errors=True)
         for name in (TIMELINE, TOKENS, sidecar(TOKENS).name):
             (root / name).unlink(missing_ok=True)
@@ -184,6 +184,7 @@ def _keep_or_clean(console: Console, root: Path, created: bool, clean: bool) -> 
         f"  unbroken verify {d}/killed --all\n"
         f"  unbroken show {d}/killed\n"
         f"  unbroken export {d}/killed model.safetensors\n"
+        f"  unbroken goodput {d}/events/killed\n"
         f"Delete it with: rm -r {d}   (or run the demo with --clean)",
         soft_wrap=True,  # never break a command the user may copy
     )

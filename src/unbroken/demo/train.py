@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ import unbroken
 from unbroken.data import ByteTokenizer, ResumableLoader, ResumableSampler, TokenDataset
 from unbroken.demo import EVENT_PREFIX
 from unbroken.demo.model import GPTConfig, TinyGPT
+from unbroken.run.contract import EVENTS_DIR_ENV
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -55,6 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # The goodput event log (`unbroken goodput DIR/events/<run>`), next to the checkpoints.
+    os.environ.setdefault(
+        EVENTS_DIR_ENV, os.path.join(args.dir, os.pardir, "events", os.path.basename(args.dir))
+    )
     # One thread per rank: the demo runs two ranks on two cores, and a fixed thread count
     # also fixes the order of floating-point reductions inside each op.
     torch.set_num_threads(1)

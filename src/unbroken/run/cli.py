@@ -13,17 +13,17 @@ from __future__ import annotations
 import json
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Protocol
 
+from unbroken.goodput.rundir import run_directory
 from unbroken.run import args
 from unbroken.run.args import RunOptions
 from unbroken.run.procs import kill_tree
-from unbroken.run.timeline import Timeline
+from unbroken.run.timeline import Timeline, say
 from unbroken.run.watch import Watch
 
 POLL_S = 0.05
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
 def drive(opts: RunOptions, make: Callable[[str], Job], what: str) -> int:
     """Run a launch (``make`` builds it on a fresh heartbeat directory), forwarding
     SIGINT/SIGTERM to ``what`` it started, then print and save its timeline."""
-    with tempfile.TemporaryDirectory(prefix="unbroken-heartbeat-") as heartbeat_dir:
+    with run_directory() as heartbeat_dir:  # kept, with the events: unbroken goodput DIR
         job = make(heartbeat_dir)
 
         def forward(sig: int, frame: FrameType | None) -> None:
@@ -92,6 +92,7 @@ def drive(opts: RunOptions, make: Callable[[str], Job], what: str) -> int:
                 signal.signal(s, handler)
             job.cleanup()
     print(job.timeline.summary(), file=sys.stderr, flush=True)
+    say(f"events in {heartbeat_dir}; goodput: unbroken goodput {heartbeat_dir}")
     if opts.ours.timeline_json is not None:
         opts.ours.timeline_json.write_text(json.dumps(job.timeline.to_json(code), indent=1))
     return code

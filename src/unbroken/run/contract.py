@@ -17,6 +17,8 @@ FAULT_ENV = "UNBROKEN_INJECT_FAULT"  # ';'-separated fault specs (`unbroken.run.
 NODE_ENV = "UNBROKEN_NODE"  # the simulated node a worker runs on
 MEMORY_DIR_ENV = "UNBROKEN_MEMORY_DIR"  # root of the node's shared-memory snapshots
 IN_PROCESS_ENV = "UNBROKEN_IN_PROCESS"  # "1" when the in-process supervisor started it
+EVENTS_DIR_ENV = "UNBROKEN_EVENTS_DIR"  # where events go, if not the heartbeat directory
+RUN_DIR_ENV = "UNBROKEN_RUN_DIR"  # `unbroken run`: the run directory to use (new or empty)
 
 # -- shared memory ----------------------------------------------------------------------
 
@@ -44,11 +46,12 @@ SETTLED_KEY = "settled"  # unbroken/gen-<g>/settled-<agent id>: JSON ranks the n
 SUSPECT_KEY = "unbroken/suspect"  # -<g>: "<rank>," per worker that saw a peer vanish in g
 PING_SUFFIX = "ping"  # unbroken/agent-<id>/ping: a counter; /ping-<n>: beat now, please
 
-# -- files in the heartbeat directory ---------------------------------------------------
+# -- files in the heartbeat directory (the run directory under `unbroken run`) ----------
 
 HEARTBEAT_PREFIX = "rank-"  # rank-<rank>: one fixed-width heartbeat line, rewritten
 HEARTBEAT_BYTES = 80  # the heartbeat line's width: rewritten in place, never truncated
 EVENTS_PREFIX = "events-"  # events-<rank>-<pid>.jsonl: one JSON line per event
+LAUNCHER_EVENTS = "launcher.jsonl"  # the launcher's own events (detections, restarts)
 FIRED_PREFIX = "fired-"  # fired-<index>: fault <index> fired already in this launch
 KILL_NODE_PREFIX = "request-kill-node-"  # request-kill-node-<node>: a worker asks
 

@@ -1,5 +1,10 @@
 """The recovery timeline of a launch: events from the launcher and its workers, and per
-injected fault, when it was detected, recovered from, and how many steps were redone.
+failure, when it was detected, recovered from, and how many steps were redone.
+
+A failure is an injected fault, or a real one: a worker that exited, hung or lost its
+node with no injected fault to explain it (`failures`). Real failures count as much as
+injected ones. The launcher's own events also go, one JSON line each as they happen, to
+``log`` (`contract.LAUNCHER_EVENTS` in the run directory), for `unbroken goodput`.
 
 One `Timeline` serves both modes; its ``mode`` picks how events become recoveries:
 ``"restart"`` (torchrun restarts every worker: new processes after the fault) or
@@ -8,6 +13,7 @@ One `Timeline` serves both modes; its ``mode`` picks how events become recoverie
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,22 +35,35 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
     mode: Mode = "restart"
 
+    log: str | None = None  # where the launcher's own events are appended
+    last_step: dict[int, tuple[int, float]] = field(default_factory=dict)  # pid -> step, t
+
     def add(
         self, event: str, message: str | None = None, t: float | None = None, **kw: Any
     ) -> None:
-        """Record ``event`` at ``t`` (wall clock; now if None), and print ``message``."""
+        """Record the launcher's ``event`` at ``t`` (wall clock; now if None), print
+        ``message``, and append it to `log`."""
         when = time.time() if t is None else t
-        self.events.append({"event": event, "t": round(when - self.t0, 4), **kw})
+        self.record(event, message, when, **kw)
+        if self.log is not None:
+            with open(self.log, "a") as f:
+                f.write(json.dumps({"event": event, "t": when, **kw}) + "\n")
+
+    def record(self, event: str, message: str | None, t: float, **kw: Any) -> None:
+        """Record ``event`` (a worker's, or the launcher's) at ``t``, wall clock."""
+        self.events.append({"event": event, "t": round(t - self.t0, 4), **kw})
         if message is not None:
-            say(f"[{when - self.t0:7.2f} s] {message}")
+            say(f"[{t - self.t0:7.2f} s] {message}")
 
     def recoveries(self) -> list[Recovery]:
-        """One per injected fault, in order (see `restart_recoveries` and
+        """One per failure (`failures`), in order (see `restart_recoveries` and
         `in_process_recoveries` for what each holds)."""
         events = sorted(self.events, key=lambda e: e["t"])
+        last = {pid: (step, round(t - self.t0, 4)) for pid, (step, t) in self.last_step.items()}
+        found = failures(events, last)
         if self.mode == "in-process":
-            return in_process_recoveries(events)
-        return restart_recoveries(events)
+            return in_process_recoveries(events, found)
+        return restart_recoveries(events, found)
 
     def to_json(self, exit_code: int) -> dict[str, Any]:
         return {
@@ -62,7 +81,7 @@ class Timeline:
         for r in self.recoveries():
             lines += _recovery_lines(r, phases(r))
         if len(lines) == 1:
-            lines.append("  no fault was injected")
+            lines.append("  no failure: no fault was injected and no worker was lost")
         return "\n".join(lines)
 
 
@@ -71,7 +90,8 @@ def _recovery_lines(r: Recovery, phases: list[tuple[str, str]]) -> list[str]:
         return "   -   " if r[key] is None else f"{r[key]:7.2f}"
 
     lines = [
-        f"  {at('fault_t')}  fault: {r['fault']} at step {r['fault_step']}",
+        f"  {at('fault_t')}  {'' if r['real'] else 'fault: '}{r['fault']} at step "
+        f"{_step(r['fault_step'])}",
         f"  {at('detected_t')}  detected ({r['detected_by']})",
         *(f"  {at(key)}  {what}" for key, what in phases),
     ]
@@ -83,11 +103,73 @@ def _recovery_lines(r: Recovery, phases: list[tuple[str, str]]) -> list[str]:
     return lines
 
 
+def _step(step: int | None) -> str:
+    return "?" if step is None else str(step)
+
+
+def failures(events: list[Event], last_step: dict[int, tuple[int, float]]) -> list[Event]:
+    """The failures among ``events`` (sorted by time): each injected ``fault``, and each
+    detection (`DETECTIONS`) that no earlier failure explains. A failure explains what
+    is detected until some rank completes its first step after it (a kill makes torchrun
+    stop the other ranks: their exits are the same failure), except the loss of a
+    process that started after it (a failure during recovery). Exits after which nothing
+    restarted, in a launch that ended with exit code 0, are workers that finished. A
+    real failure is dated to
+    the failed process's last sign of life (its last event or step, ``last_step``: pid ->
+    (step, t)), at the step it last completed."""
+    out: list[Event] = []
+    open_: float | None = None  # when the failure still being recovered from struck
+    ended_ok = any(e["event"] == "done" and e.get("exit_code") == 0 for e in events)
+    started = {
+        e["pid"]: e["t"] if e.get("process_start") is None else e["process_start"]
+        for e in events
+        if e["event"] == "process_start"
+    }
+    for i, e in enumerate(events):
+        if e["event"] == "fault":
+            out.append(e)
+            open_ = e["t"]
+        elif e["event"] == "first_step":
+            open_ = None
+        elif e["event"] in DETECTIONS and (open_ is None or started.get(e.get("pid"), 0) > open_):
+            restarted = any(x["event"] in ("process_start", "respawn") for x in events[i:])
+            if ended_ok and not restarted:
+                continue  # the workers finished: a launch that ends well had no failure
+            out.append(_real_failure(e, events, last_step))
+            open_ = out[-1]["t"]
+    return out
+
+
+def _real_failure(
+    detected: Event, events: list[Event], last_step: dict[int, tuple[int, float]]
+) -> Event:
+    pid, rank = detected.get("pid"), detected.get("rank")
+    launcher = (*DETECTIONS, "hung")  # the launcher's events about the process
+    seen = [e["t"] for e in events if e.get("pid") == pid and e["event"] not in launcher]
+    step, step_t = last_step.get(pid, (None, None)) if pid is not None else (None, None)
+    if step_t is not None:
+        seen.append(step_t)
+    silent = detected.get("silent_s", detected.get("idle_s"))  # since its last heartbeat
+    if silent is not None:
+        seen.append(detected["t"] - silent)
+    t = max(seen, default=detected["t"])
+    what = {"worker_exit": "exited", "hang_detected": "hung", "node_kill_requested": "lost"}
+    who = f"rank {rank}" if rank is not None else f"node {detected.get('node')}"
+    return {
+        "event": "fault",
+        "t": min(t, detected["t"]),
+        "spec": f"real failure: {who} {what[detected['event']]}",
+        "step": detected.get("step", step),
+        "real": True,
+    }
+
+
 def _detection(fault: Event, after: list[Event]) -> Recovery:
     """What every recovery starts with: the fault, and the first sign of it."""
     detected = next((e for e in after if e["event"] in DETECTIONS), None)
     return {
         "fault": fault["spec"],
+        "real": bool(fault.get("real")),
         "fault_t": fault["t"],
         "fault_step": fault["step"],
         "detected_t": None if detected is None else detected["t"],
@@ -98,18 +180,18 @@ def _detection(fault: Event, after: list[Event]) -> Recovery:
 def _finish(rec: Recovery, fault: Event) -> Recovery:
     if rec["first_step_t"] is not None:
         rec["recovery_s"] = round(rec["first_step_t"] - fault["t"], 4)
-        rec["steps_redone"] = fault["step"] - rec["first_step"] + 1
+        known = fault["step"] is not None and rec["first_step"] is not None
+        rec["steps_redone"] = fault["step"] - rec["first_step"] + 1 if known else "?"
     return rec
 
 
 # -- restart-all (torchrun) -------------------------------------------------------------
 
 
-def restart_recoveries(events: list[Event]) -> list[Recovery]:
-    """Per injected fault: when it happened, was detected, workers restarted, the
-    process group was ready again, and every rank had completed a step again."""
+def restart_recoveries(events: list[Event], faults: list[Event]) -> list[Recovery]:
+    """Per failure: when it happened, was detected, workers restarted, the process
+    group was ready again, and every rank had completed a step again."""
     out = []
-    faults = [e for e in events if e["event"] == "fault"]
     # Processes that started after the fault: the restarted (or replacement) ones.
     starts = {
         e["pid"]: e["t"] if e.get("process_start") is None else e["process_start"]
@@ -148,11 +230,11 @@ def _restart_phases(r: Recovery) -> list[tuple[str, str]]:
 # -- in-process -------------------------------------------------------------------------
 
 
-def in_process_recoveries(events: list[Event]) -> list[Recovery]:
-    """Per injected fault: detection, the new generation and respawn, the process
-    group ready on every rank, the restore done on every rank, the first step."""
+def in_process_recoveries(events: list[Event], faults: list[Event]) -> list[Recovery]:
+    """Per failure: detection, the new generation and respawn, the process group
+    ready on every rank, the restore done on every rank, the first step."""
     out = []
-    for fault in (e for e in events if e["event"] == "fault"):
+    for fault in faults:
         after = [e for e in events if e["t"] >= fault["t"]]
         rec = _detection(fault, after)
         bump = next((e for e in after if e["event"] == "generation"), None)

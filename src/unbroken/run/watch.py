@@ -18,6 +18,8 @@ from unbroken.run import contract
 from unbroken.run.procs import alive
 from unbroken.run.timeline import Timeline
 
+CLOSE_GRACE = 10  # heartbeat timeouts a process may take to shut down after closing
+
 
 class Stale(NamedTuple):
     """A rank past the heartbeat timeout: its last step and beat (wall clock)."""
@@ -65,8 +67,10 @@ class Watch:
         self.seen_exit: set[int] = set()  # pids whose exit is on the timeline
         self.ignored: set[int] = set()  # pids killed, or done training: never stale
         self.finished: dict[int, int] = {}  # pid -> rank: train() returned, exiting
+        self.closing: dict[int, float] = {}  # pid -> when its Checkpointer closed
         self.last_kill = float("-inf")  # monotonic
         self.offsets: dict[str, int] = {}  # events file -> bytes read
+        timeline.log = os.path.join(directory, contract.LAUNCHER_EVENTS)
 
     def poll(self) -> None:
         """One look at everything: events first, then node-kill requests, heartbeats."""
@@ -106,16 +110,22 @@ class Watch:
 
     def _record(self, e: dict[str, Any]) -> None:
         name, t = e.pop("event"), e.pop("t")
+        if name == "steps":  # step spans: for `unbroken goodput`; the timeline keeps the last
+            step, _, end = e["spans"][-1]
+            self.timeline.last_step[e["pid"]] = (step, end)
+            return
         if e.get("process_start") is not None:  # like every time: since launch
             e["process_start"] = round(e["process_start"] - self.timeline.t0, 4)
         message = None
         if name == "fault":
             message = f"fault injected: {e['spec']} (rank {e['rank']} at step {e['step']})"
+        if name == "closing":  # judged again only once it ticks after this
+            self.closing[e["pid"]] = t
         if name == "train_done":
             # A rank whose train() returned ticks no more: the watchdog leaves it alone.
             self.finished[e["pid"]] = e["rank"]
             self.ignore(e["pid"])
-        self.timeline.add(name, message, t=t, **e)
+        self.timeline.record(name, message, t, **e)
 
     # -- kill-node requests
 
@@ -145,15 +155,26 @@ class Watch:
                     rank=rank,
                     pid=pid,
                     step=step,
+                    attempt=attempt,
+                    silent_s=round(now - t, 3),  # since its last heartbeat
                 )
             elif (
                 self.timeout
                 and now - self.hooks.since(t, attempt) > self.timeout
                 and pid not in self.ignored
+                and not self.shutting_down(pid, t, now)
             ):
                 stale.append(Stale(step, t, rank, pid))
         if stale and time.monotonic() - self.last_kill > self.timeout:
             self.hooks.on_hang(stale, now)
+
+    def shutting_down(self, pid: int, beat: float, now: float) -> bool:
+        """Whether ``pid`` closed its Checkpointer after its last beat, not too long ago:
+        a process shutting down after its last step ticks no more, and may take longer
+        than the heartbeat timeout on a loaded machine. A close that takes
+        `CLOSE_GRACE` heartbeat timeouts is a hang after all."""
+        closed = self.closing.get(pid)
+        return closed is not None and beat <= closed and now - closed < CLOSE_GRACE * self.timeout
 
     def _read_beats(self) -> None:
         for name in os.listdir(self.dir):

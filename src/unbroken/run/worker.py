@@ -12,20 +12,30 @@ A training loop calls `tick(step)` once per step (the Checkpointer calls it too)
 
 Outside `unbroken run` (no such variables) `tick` costs a dictionary lookup.
 
-The heartbeat directory also collects a few events per process (start, process group
-ready, first step, fault), one JSON line each, from which the launcher builds its
-recovery timeline. File names and variables: `unbroken.run.contract`.
+Every process also appends events to ``events-<RANK>-<PID>.jsonl`` in the run directory
+(``$UNBROKEN_EVENTS_DIR``, else the heartbeat directory, which `unbroken run` keeps as the
+run directory): the launcher builds its recovery timeline from them, and `unbroken
+goodput` its accounting. Rare events (start, process group ready, restore, fault) are
+written at once, one line each, because the launcher acts on them. Frequent ones are
+buffered and written together: each step's span (from `tick`), checkpoint saves,
+snapshots and background persists (`BUFFERED`), at most one write per `FLUSH_S` and
+before any rare event, so the log costs well under a write per step. The event names
+and their fields: docs/goodput.md. File names and variables: `unbroken.run.contract`.
 
 No torch import at module level: `tick` and `event` must stay cheap to import.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -33,6 +43,11 @@ from unbroken.run import contract
 from unbroken.run.faults import Fault, parse
 
 HEARTBEAT_INTERVAL_S = 0.2
+FLUSH_S = 1.0  # buffered events wait at most this long (unless the process is killed)
+# Events that come often enough to buffer; everything else is written at once.
+BUFFERED = frozenset(
+    {"save_start", "save_end", "snapshot_start", "snapshot_end", "persist_start", "persist_end"}
+)
 
 
 class LaunchContext:
@@ -54,36 +69,97 @@ class LaunchContext:
                 f"{contract.FAULT_ENV} asks for kill-node, which only `unbroken run "
                 f"--simulate-nodes` can carry out ({contract.HEARTBEAT_DIR_ENV} is not set)"
             )
+        self.events_dir = env.get(contract.EVENTS_DIR_ENV) or self.dir
         self.fd: int | None = None
         self.last_beat = float("-inf")
         self.first_step_seen = False
         self.started = False
+        self.lock = threading.Lock()  # background persists log from the save thread
+        self.buffer: list[tuple[float, str]] = []  # buffered events: (t, JSON line)
+        self.spans: list[tuple[int, float, float]] = []  # (step, start, end), wall clock
+        self.last_step: int | None = None
+        self.mark = time.time()  # when the step now running started: the last event or tick
+        self.last_flush = time.monotonic()
+        self.exit_hook = False
 
     def _mine(self, fault: Fault) -> bool:
         if fault.kind == "kill-node":
             return fault.target == self.node
         return fault.target == self.rank
 
-    # events: rare, one JSON line each, appended whole by one write
+    # events: rare ones written whole at once, frequent ones buffered (see the docstring)
 
     def event(self, name: str, **fields: Any) -> None:
-        if self.dir is None:
+        if self.events_dir is None:
             return
-        if not self.started:
-            self.started = True
-            self._write("process_start", process_start=_process_start_time())
-        self._write(name, **fields)
+        with self.lock:
+            self._start()
+            record = self._record(name, fields)
+            if not name.startswith("persist"):  # a background persist is no step boundary
+                self.mark = record["t"]
+            self.buffer.append((record["t"], json.dumps(record)))
+            if name in BUFFERED:
+                self._hook_exit()
+                return
+            self._flush()
 
-    def _write(self, name: str, **fields: Any) -> None:
-        assert self.dir is not None
+    def _record(self, name: str, fields: dict[str, Any]) -> dict[str, Any]:
         record = {"event": name, "t": time.time(), "rank": self.rank, "attempt": self.attempt}
         record.update(node=self.node, pid=os.getpid(), **fields)
-        path = os.path.join(self.dir, contract.events_file(self.rank, os.getpid()))
+        return record
+
+    def _start(self) -> None:
+        """This process's first event: when it started."""
+        if not self.started:
+            self.started = True
+            start = self._record("process_start", {"process_start": _process_start_time()})
+            self.buffer.append((start["t"], json.dumps(start)))
+
+    def _hook_exit(self) -> None:
+        if not self.exit_hook:
+            self.exit_hook = True
+            atexit.register(self.flush)
+
+    def flush(self) -> None:
+        """Write what is buffered, in one write."""
+        with self.lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.spans:
+            # Formatted by hand: a third of json.dumps's cost, for what may be many spans.
+            spans = ",".join([f"[{s},{a:.6f},{b:.6f}]" for s, a, b in self.spans])
+            head = json.dumps(self._record("steps", {}))[:-1]
+            self.buffer.append((self.spans[-1][2], f'{head}, "spans": [{spans}]}}'))
+            self.spans = []
+        self.last_flush = time.monotonic()
+        if not self.buffer or self.events_dir is None:
+            return
+        self.buffer.sort(key=lambda r: r[0])  # in time order, the steps among the rest
+        data = "".join(line + "\n" for _, line in self.buffer).encode()
+        self.buffer = []
+        path = os.path.join(self.events_dir, contract.events_file(self.rank, os.getpid()))
+        os.makedirs(self.events_dir, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            os.write(fd, (json.dumps(record) + "\n").encode())
+            os.write(fd, data)
         finally:
             os.close(fd)
+
+    def span(self, step: int) -> None:
+        """Note that ``step`` ended now (a tick of a new step): its span runs from the
+        previous tick or event to now. Buffered; flushed at most every `FLUSH_S`."""
+        now = time.time()
+        with self.lock:
+            if not self.started:
+                self._start()
+            self.spans.append((step, self.mark, now))
+            self.mark = now
+            self.last_step = step
+            if len(self.spans) == 1:
+                self._hook_exit()
+            if time.monotonic() - self.last_flush >= FLUSH_S:
+                self._flush()
 
     # heartbeat: one pwrite of a fixed-width line into a file kept open
 
@@ -97,6 +173,8 @@ class LaunchContext:
         self.last_beat = now
 
     def tick(self, step: int) -> None:
+        if self.events_dir is not None and step != self.last_step:
+            self.span(step)
         if self.dir is not None:
             now = time.monotonic()
             if not self.first_step_seen:
@@ -160,25 +238,81 @@ def tick(step: int) -> None:
 
 
 def event(name: str, **fields: Any) -> None:
-    """Record a timeline event for `unbroken run` (nothing happens outside it)."""
+    """Record a timeline event for `unbroken run` and `unbroken goodput` (nothing happens
+    outside `unbroken run`, unless ``$UNBROKEN_EVENTS_DIR`` is set). Names in `BUFFERED`
+    are written with the next flush; others at once. ``data_ready`` (optional field
+    ``seconds``: how long the pipeline took to deliver its first batch) marks the end of
+    the data pipeline's warm-up, which `unbroken goodput` counts as badput."""
     current().event(name, **fields)
+
+
+def flush() -> None:
+    """Write the buffered events now (they are also written at exit, and before a
+    process kills itself for an injected fault)."""
+    current().flush()
+
+
+def instrument(cls: type) -> None:
+    """Time a Checkpointer class's ``save`` and ``snapshot`` (training waits for them) and
+    ``_persist`` (its save thread writing a checkpoint) in the event log, as
+    ``<name>_start`` and ``<name>_end`` events, and its ``close`` as ``closing`` (the
+    launcher's watchdog leaves a process alone from then until its next tick, so a slow
+    shutdown is not taken for a hang): `unbroken` applies it to `Checkpointer`,
+    so the Checkpointer itself carries no event-log code. A save or snapshot ticks its
+    step first, so the step it follows ends where the save begins."""
+    timed: dict[str, Callable[..., dict[str, Any]]] = {
+        "save": lambda step, state, blocking=True: {"step": step, "blocking": blocking},
+        "snapshot": lambda step, state: {"step": step},
+        "_persist": lambda staged, background: {"step": staged.step, "background": background},
+    }
+    for name, fields in timed.items():
+        setattr(cls, name, _timed(name.lstrip("_"), getattr(cls, name), fields))
+    close = cls.close  # type: ignore[attr-defined]
+
+    @functools.wraps(close)
+    def closing(self: Any) -> None:
+        # Training is over unless a tick follows: the watchdog leaves a shutdown alone.
+        event("closing")
+        close(self)
+
+    cls.close = closing  # type: ignore[attr-defined]
+
+
+def _timed(name: str, method: Callable[..., Any], fields: Callable[..., dict[str, Any]]) -> Any:
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        info = fields(*args, **kwargs)
+        step = info["step"]
+        if name != "persist" and isinstance(step, int) and step >= 0:
+            tick(step)
+        event(f"{name}_start", **info)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            event(f"{name}_end", step=step)
+
+    return run
 
 
 def new_attempt(attempt: int) -> None:
     """Start a new attempt in this same process (in-process recovery): events and
     heartbeats carry ``attempt`` from now on, and its first step is reported again."""
     context = current()
+    context.flush()
     context.attempt = attempt
     context.first_step_seen = False
+    context.last_step = None
 
 
 def reset() -> None:
     """Forget what was read from the environment (a warm spare taking on a rank's
     environment, or a test changing it)."""
     global _context
-    if _context is not None and _context.fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(_context.fd)
+    if _context is not None:
+        _context.flush()
+        if _context.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(_context.fd)
     _context = None
 
 

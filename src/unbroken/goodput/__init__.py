@@ -1,0 +1,16 @@
+"""Goodput: where a training job's time went, and where it would go at scale.
+
+    rundir    the run directory `unbroken run` keeps, and reading its event logs
+    account   the arithmetic: every second of every rank given to one cause
+    report    the printed report (and the strings the HTML shows)
+    html      the one-file HTML report
+    plot      the PNG timeline (matplotlib)
+    cli       ``unbroken goodput RUN_DIR``
+    simulate  ``unbroken simulate``: goodput at cluster scale, discrete-event
+
+Event names and fields: docs/goodput.md.
+"""
+
+from unbroken.goodput.account import Account, account
+
+__all__ = ["Account", "account"]
