@@ -13,6 +13,13 @@ from ranks import free_port
 from servers.rgw import RGW, RGWUnavailable, start_rgw
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _run_dirs_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`unbroken run` keeps every launch's events under $XDG_STATE_HOME: the suite's stay
+    in its own temporary folder, not the user's home."""
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+
+
 def make_model(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 4))
