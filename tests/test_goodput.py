@@ -313,7 +313,10 @@ def test_a_real_run_with_a_real_crash_is_accounted_for(tmp_path):
     env = {**dict(__import__("os").environ), contract.RUN_DIR_ENV: str(run_dir)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "real failure: rank 1 exited" in done.stderr and "no failure" not in done.stderr
+    # torchrun stops rank 0 as soon as rank 1 dies: when the launcher sees both gone in one
+    # poll, either may be named; exactly one real failure must be on the timeline.
+    assert len(re.findall(r"real failure: rank [01] exited", done.stderr)) == 1, done.stderr
+    assert "no failure" not in done.stderr
     assert f"unbroken goodput {run_dir}" in done.stderr
     names = sorted(p.name for p in run_dir.iterdir())
     assert "launcher.jsonl" in names and not [n for n in names if n.startswith("rank-")]

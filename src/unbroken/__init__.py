@@ -10,11 +10,8 @@ from unbroken.background import PendingSave
 from unbroken.checkpointer import Checkpointer
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.reshard import PerRank
-from unbroken.run.worker import instrument
 from unbroken.sources import Origin, Restored
 from unbroken.state import Progress, RNGState, Stateful
-
-instrument(Checkpointer)  # saves, snapshots and persists timed in the goodput event log
 
 __all__ = [
     "CheckpointError",

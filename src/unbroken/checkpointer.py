@@ -39,6 +39,7 @@ from unbroken.storage import Storage, open_storage
 log = logging.getLogger("unbroken")
 
 
+@worker.instrument  # saves, snapshots and persists timed in the goodput event log
 class Checkpointer:
     """Sharded, atomic, checksummed checkpoints of a training job's state.
 

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from unbroken.run import contract
 from unbroken.run.faults import Fault, parse
@@ -48,6 +48,8 @@ FLUSH_S = 1.0  # buffered events wait at most this long (unless the process is k
 BUFFERED = frozenset(
     {"save_start", "save_end", "snapshot_start", "snapshot_end", "persist_start", "persist_end"}
 )
+
+T = TypeVar("T", bound=type)
 
 
 class LaunchContext:
@@ -252,16 +254,16 @@ def flush() -> None:
     current().flush()
 
 
-def instrument(cls: type) -> None:
+def instrument(cls: T) -> T:
     """Time a Checkpointer class's ``save`` and ``snapshot`` (training waits for them) and
     ``_persist`` (its save thread writing a checkpoint) in the event log, as
     ``<name>_start`` and ``<name>_end`` events, and its ``close`` as ``closing`` (the
     launcher's watchdog leaves a process alone from then until its next tick, so a slow
-    shutdown is not taken for a hang): `unbroken` applies it to `Checkpointer`,
-    so the Checkpointer itself carries no event-log code. A save or snapshot ticks its
+    shutdown is not taken for a hang): `Checkpointer` is decorated with it, so its
+    methods carry no event-log code. A save or snapshot ticks its
     step first, so the step it follows ends where the save begins."""
     timed: dict[str, Callable[..., dict[str, Any]]] = {
-        "save": lambda step, state, blocking=True: {"step": step, "blocking": blocking},
+        "save": lambda step, state, blocking=True, **_: {"step": step, "blocking": blocking},
         "snapshot": lambda step, state: {"step": step},
         "_persist": lambda staged, background: {"step": staged.step, "background": background},
     }
@@ -276,6 +278,7 @@ def instrument(cls: type) -> None:
         close(self)
 
     cls.close = closing  # type: ignore[attr-defined]
+    return cls
 
 
 def _timed(name: str, method: Callable[..., Any], fields: Callable[..., dict[str, Any]]) -> Any:
