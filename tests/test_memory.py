@@ -286,6 +286,7 @@ def _incomplete_job(rank: int, world: int, root: str) -> int | None:
     ckpt.snapshot(1, state)
     ckpt.snapshot(2, state)
     ckpt.wait()
+    run_ranks_barrier(root, rank, world)  # both ranks hold both steps before the damage
     if rank == 1:  # node 1 lost, and node 0's replica of it at step 2 is damaged
         import shutil
 
