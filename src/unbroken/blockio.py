@@ -16,7 +16,9 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def _read(storage: Storage, folder: str, key: str, file: str, start: int, out: memoryview) -> None:
+def read_into(
+    storage: Storage, folder: str, key: str, file: str, start: int, out: memoryview
+) -> None:
     try:
         storage.read_into(f"{folder}/{file}", start, out)
     except FileNotFoundError:
@@ -31,7 +33,7 @@ def _read(storage: Storage, folder: str, key: str, file: str, start: int, out: m
         ) from None
 
 
-def _verify(folder: str, key: str, chunk: Chunk, view: memoryview) -> None:
+def verify_chunk(folder: str, key: str, chunk: Chunk, view: memoryview) -> None:
     verify_block(
         view,
         chunk.xxh3,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unbroken.blockio import _read, _verify, byte_view
+from unbroken.blockio import byte_view, read_into, verify_chunk
 from unbroken.format import Chunk, TensorEntry
 from unbroken.storage import Storage
 
@@ -92,15 +92,15 @@ def read_coalesced(
         size = piece.end - piece.start
         only = piece.targets[0] if len(piece.targets) == 1 else None
         if only is not None and only[0] == 0 and len(only[1]) == size:
-            _read(storage, folder, only[2], piece.file, piece.start, only[1])
+            read_into(storage, folder, only[2], piece.file, piece.start, only[1])
             return
         data = memoryview(bytearray(size))
-        _read(storage, folder, piece.targets[0][2], piece.file, piece.start, data)
+        read_into(storage, folder, piece.targets[0][2], piece.file, piece.start, data)
         for offset, view, _ in piece.targets:
             view[:] = data[offset : offset + len(view)]
 
     def check(item: Item) -> None:
-        _verify(folder, item[0], item[2], byte_view(item[3]))
+        verify_chunk(folder, item[0], item[2], byte_view(item[3]))
 
     with ThreadPoolExecutor(in_flight) as pool:
         list(pool.map(get, pieces))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from unbroken.blockio import _read, _verify, byte_view
+from unbroken.blockio import byte_view, read_into, verify_chunk
 from unbroken.coalesce import read_coalesced
 from unbroken.errors import CheckpointError
 from unbroken.format import Chunk, TensorEntry, safetensors_header, shard_file, verify_block
@@ -101,9 +101,9 @@ def read_chunk(
     if out is None:
         out = torch.empty(chunk.shape, dtype=entry.torch_dtype)
     view = byte_view(out)
-    _read(storage, folder, key, chunk.file, chunk.start, view)
+    read_into(storage, folder, key, chunk.file, chunk.start, view)
     if verify:
-        _verify(folder, key, chunk, view)
+        verify_chunk(folder, key, chunk, view)
     return out
 
 
@@ -151,12 +151,12 @@ def read_many(
             return
         first = group[0][2]
         data = bytearray(group[-1][2].end - first.start)
-        _read(storage, folder, group[0][0], first.file, first.start, memoryview(data))
+        read_into(storage, folder, group[0][0], first.file, first.start, memoryview(data))
         for key, _, chunk, out in group:
             view = byte_view(out)
             view[:] = data[chunk.start - first.start : chunk.end - first.start]
             if verify:
-                _verify(folder, key, chunk, view)
+                verify_chunk(folder, key, chunk, view)
 
     with ThreadPoolExecutor(max(1, threads, storage.requests_in_flight)) as pool:
         for done in pool.map(run, jobs):
@@ -238,11 +238,11 @@ def fill_regions(storage: Storage, folder: str, targets: Sequence[Target], threa
         first = group[0]
         direct = _direct(first) if len(group) == 1 else None
         if direct is not None:  # its bytes are exactly the destination's: no copy
-            _read(storage, folder, first.key, first.chunk.file, first.start, direct)
+            read_into(storage, folder, first.key, first.chunk.file, first.start, direct)
             _check(folder, first, direct)
             return
         view = memoryview(bytearray(group[-1].end - first.start))
-        _read(storage, folder, first.key, first.chunk.file, first.start, view)
+        read_into(storage, folder, first.key, first.chunk.file, first.start, view)
         for span in group:
             _place(folder, span, view[span.start - first.start : span.end - first.start])
 
