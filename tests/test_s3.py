@@ -169,27 +169,3 @@ def test_restore_coalesces_reads_across_tensors_and_counts_requests(bucket):
     # 50 MiB in pieces of 8 MiB or the part size, whichever is less, across tensor
     # boundaries: 7 to 10 ranged GETs (plus the manifest's), not one per tensor
     assert reader.storage.requests["GET"] <= 10 + 3, reader.storage.requests  # type: ignore[attr-defined]
-
-
-def test_coalesced_pieces_cover_every_chunk_byte_exactly_once():
-    from unbroken.coalesce import plan
-    from unbroken.format import Chunk, TensorEntry
-
-    items, at = [], 100  # a header first, then blocks back to back, one gap
-    for i, n in enumerate([3000, 10, 5000, 700]):
-        at += 64 << 10 if i == 3 else 0
-        chunk = Chunk(offsets=[0], shape=[n], file="f", start=at, end=at + n, xxh3="")
-        entry = TensorEntry(dtype="uint8", shape=[n], chunks=[chunk])
-        items.append((f"k{i}", entry, chunk, torch.zeros(n, dtype=torch.uint8)))
-        at += n
-    pieces = plan(items, 1024)
-    assert all(p.end - p.start <= 1024 for p in pieces)
-    assert len(pieces) == -(-(at - 100) // 1024)  # one run: the gap is read, not split
-    for piece in pieces:
-        for offset, view, _ in piece.targets:
-            torch.frombuffer(view, dtype=torch.uint8).add_(1)  # each byte once: all end at 1
-            assert offset >= 0 and offset + len(view) <= piece.end - piece.start
-    assert all(bool((item[3] == 1).all()) for item in items)
-    assert sum(len(v) for p in pieces for _, v, _ in p.targets) == sum(
-        c.nbytes for _, _, c, _ in items
-    )

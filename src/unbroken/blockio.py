@@ -4,11 +4,22 @@ against its manifest checksum. Shared by `unbroken.shards` and `unbroken.coalesc
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
 import torch
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Chunk, verify_block
 from unbroken.storage import Storage
+
+T = TypeVar("T")
+Item = TypeVar("Item")
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -40,3 +51,88 @@ def verify_chunk(folder: str, key: str, chunk: Chunk, view: memoryview) -> None:
         f"{folder}: tensor {key!r} in {chunk.file} (bytes {chunk.start}-{chunk.end})",
         "; the file is damaged. Restore an earlier step (see `unbroken ls`).",
     )
+
+
+# -- workers ---------------------------------------------------------------------------
+#
+# Reads run on daemon threads kept for the life of the process: starting 16 threads for
+# every restore costs tens of ms on a busy machine (each start waits for the new thread
+# to run), and a hung request must not hold up the process's exit.
+
+
+class _Workers:
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]]
+        self._queue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._busy = 0
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on a thread of its own: there is always an idle one for it, so a
+        call waiting on another never waits for a thread."""
+        with self._lock:
+            self._busy += 1
+            if self._busy > self._threads:
+                self._threads += 1
+                threading.Thread(target=self._run, name="unbroken-io", daemon=True).start()
+        future: Future[T] = Future()
+        self._queue.put((future, fn))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn = self._queue.get()
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:
+                        future.set_exception(e)
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+
+_workers = _Workers()
+
+
+def _reset() -> None:  # a forked child has none of its parent's threads
+    global _workers
+    _workers = _Workers()
+
+
+os.register_at_fork(after_in_child=_reset)
+
+
+def run_all(fn: Callable[[Item], object], items: Sequence[Item], threads: int) -> None:
+    """Call ``fn`` on every item, ``threads`` at a time (on the process's IO workers);
+    return once every call has returned, raising the first error (no new calls start
+    after one)."""
+    if threads <= 1 or len(items) <= 1:
+        for item in items:
+            fn(item)
+        return
+    it = iter(items)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        while True:
+            with lock:
+                item = next(it, _END) if not errors else _END
+            if item is _END:
+                return
+            try:
+                fn(item)  # type: ignore[arg-type]
+            except BaseException as e:
+                with lock:
+                    errors.append(e)
+
+    pending = [_workers.submit(drain) for _ in range(min(threads, len(items)))]
+    futures.wait(pending)
+    if errors:
+        raise errors[0]
+
+
+_END = object()

@@ -1,108 +1,192 @@
-"""Reads from object storage, coalesced across a whole file.
+"""Turning the byte ranges a restore needs into read requests, and issuing them: the one
+planner every block read goes through (`unbroken.shards`: whole blocks, and the parts of
+blocks a reshard needs; the DCP reader and offline tools through it).
 
-On an object store a request costs a round trip whatever its size, so reading block by
-block (hundreds of tensors of a few MiB) leaves the connection idle between requests.
-Here the blocks a rank needs are merged into runs of neighbouring bytes in each file
-(across tensor boundaries, small gaps read and dropped), and each run is cut into equal
-ranged GETs: all files' pieces go to one pool, ``requests_in_flight`` deep, so every
-connection stays busy to the end. Pieces are ``part_size`` bytes at most, and smaller
-when the whole read would otherwise not fill the pool. Each block is verified against its
-checksum once all its bytes are in, before anyone can use it.
+A request costs a round trip whatever its size, tens of ms on some object stores, so
+neighbouring ranges of one file are merged into runs (small gaps read and dropped), and
+a rank's reads all go to one set of workers, as deep as the storage serves requests at
+once, so every connection stays busy to the end. The `Rules` say how far to merge:
+
+- on an object store (`rules_for`: a storage with many requests in flight and a part
+  size), runs cross tensor boundaries and are cut into equal requests of at most the part
+  size, and smaller when the whole read would not otherwise give every connection one;
+- elsewhere (local files), only runs of small ranges are merged: a large block is read
+  alone, straight into its destination, which a file system serves as fast.
+
+Each range is handed on (checked, placed) as soon as its last byte is in, in the worker
+that read that byte, so checksums overlap the reads still in flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from unbroken.blockio import byte_view, read_into, verify_chunk
-from unbroken.format import Chunk, TensorEntry
+from unbroken.blockio import read_into, run_all
 from unbroken.storage import Storage
 
-GAP_BYTES = 256 << 10  # bytes between two blocks read and dropped rather than split a run
-# Pieces never get smaller than this: on a server with a few ms per request (moto here,
-# 7 ms for 4 KiB) a 1 MiB piece spends as long waiting as moving bytes.
+GAP_BYTES = 256 << 10  # object stores: bytes between two ranges read and dropped
+# Object stores: requests never get smaller than this. On a server with a few ms per
+# request (moto here, 7 ms for 4 KiB) a 1 MiB request spends as long waiting as moving bytes.
 MIN_PIECE = 8 << 20
-Item = tuple[str, TensorEntry, Chunk, torch.Tensor]
+# Local files: ranges under SMALL_BYTES join their neighbours, up to GROUP_BYTES a request.
+SMALL_BYTES = 1 << 20
+GROUP_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How far to merge: ranges at most ``gap`` bytes apart share a request; only ranges
+    under ``small`` bytes join others (None: any); a request spans at most ``most`` bytes.
+    ``split``: runs (and ranges) are cut into requests of ``most`` bytes; otherwise a range
+    over ``most`` bytes is read whole, alone."""
+
+    gap: int
+    small: int | None
+    most: int
+    split: bool
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Bytes [start, end) of ``file`` to read, for ``key`` (named in errors)."""
+
+    key: str
+    file: str
+    start: int
+    end: int
 
 
 @dataclass
-class Piece:
-    """One ranged GET: ``file`` bytes [start, end), and where they go: ``(offset in the
-    piece, destination bytes, key)``."""
+class Request:
+    """One read: bytes [start, end) of ``file``; ``parts`` are ``(extent index, lo, hi)``:
+    bytes [lo, hi) of that extent (relative to its start) are in this request."""
 
     file: str
     start: int
     end: int
-    targets: list[tuple[int, memoryview, str]] = field(default_factory=list)
+    parts: list[tuple[int, int, int]] = field(default_factory=list)
 
 
-def plan(items: Sequence[Item], piece: int) -> list[Piece]:
-    """The GETs that read every item's chunk into its tensor, at most ``piece`` bytes
-    each."""
-    ordered = sorted(items, key=lambda item: (item[2].file, item[2].start))
-    runs: list[list[Item]] = []
-    for item in ordered:
-        chunk, last = item[2], runs[-1][-1][2] if runs else None
-        near = last is not None and last.file == chunk.file
-        if near and last is not None and 0 <= chunk.start - last.end <= GAP_BYTES:
-            runs[-1].append(item)
+def plan(extents: Sequence[Extent], rules: Rules) -> list[Request]:
+    """The requests that read every byte of every extent exactly once, following
+    ``rules``, in file order (an empty extent is in none)."""
+    order = sorted(
+        (i for i, e in enumerate(extents) if e.end > e.start),
+        key=lambda i: (extents[i].file, extents[i].start),
+    )
+    runs: list[list[int]] = []
+    for i in order:
+        e = extents[i]
+        if runs and _joins(extents, runs[-1], e, rules):
+            runs[-1].append(i)
         else:
-            runs.append([item])
-    pieces = []
+            runs.append([i])
+    requests: list[Request] = []
     for run in runs:
-        first, end = run[0][2], run[-1][2].end
-        cuts = [Piece(first.file, s, min(s + piece, end)) for s in range(first.start, end, piece)]
-        i = 0
-        for key, _, chunk, out in run:
-            view = byte_view(out)
-            while cuts[i].end <= chunk.start:
-                i += 1
-            j = i
-            while j < len(cuts) and cuts[j].start < chunk.end:
-                lo, hi = max(cuts[j].start, chunk.start), min(cuts[j].end, chunk.end)
-                cuts[j].targets.append(
-                    (lo - cuts[j].start, view[lo - chunk.start : hi - chunk.start], key)
-                )
-                j += 1
-        pieces += cuts
-    return pieces
+        start, end = extents[run[0]].start, max(extents[i].end for i in run)
+        step = rules.most if rules.split else max(end - start, 1)
+        file = extents[run[0]].file
+        cuts = [Request(file, s, min(s + step, end)) for s in range(start, end, step)]
+        for i in run:
+            e = extents[i]
+            for cut in cuts[(e.start - start) // step :]:
+                if cut.start >= e.end:
+                    break
+                lo, hi = max(cut.start, e.start), min(cut.end, e.end)
+                cut.parts.append((i, lo - e.start, hi - e.start))
+        for cut in cuts:  # trimmed to the bytes its parts need
+            if cut.parts:
+                cut.start = min(extents[i].start + lo for i, lo, _ in cut.parts)
+                cut.end = max(extents[i].start + hi for i, _, hi in cut.parts)
+                requests.append(cut)
+    return requests
 
 
-def piece_size(items: Sequence[Item], part_size: int, in_flight: int) -> int:
-    """``part_size``, or less when the bytes would not otherwise give every request slot
-    a piece (one request for 16 MiB leaves 15 connections idle)."""
-    total = sum(item[2].nbytes for item in items)
-    return min(part_size, max(MIN_PIECE, -(-total // max(1, in_flight))))
+def _joins(extents: Sequence[Extent], run: list[int], e: Extent, rules: Rules) -> bool:
+    first, last = extents[run[0]], extents[run[-1]]
+    if last.file != e.file or not 0 <= e.start - last.end <= rules.gap:
+        return False
+    small = rules.small
+    if small is not None and (e.end - e.start >= small or last.end - last.start >= small):
+        return False
+    return rules.split or e.end - first.start <= rules.most
 
 
-def read_coalesced(
-    storage: Storage, folder: str, items: Sequence[Item], threads: int, part_size: int,
-    verify: bool = True,
-) -> None:  # fmt: skip
-    """Read whole chunks into ``out`` tensors (contiguous, CPU, the chunk's dtype and
-    shape), as few and as evenly sized GETs as the layout allows; verify each chunk."""
+def rules_for(storage: Storage, total: int, threads: int) -> Rules:
+    """The rules that suit ``storage`` for reading ``total`` bytes with ``threads``."""
+    part_size = getattr(storage, "part_size", None)
     in_flight = max(threads, storage.requests_in_flight)
-    pieces = plan(items, piece_size(items, part_size, in_flight))
+    if storage.requests_in_flight > 1 and part_size:
+        # one request for 16 MiB would leave 15 connections idle
+        piece = min(part_size, max(MIN_PIECE, -(-total // max(1, in_flight))))
+        return Rules(gap=GAP_BYTES, small=None, most=piece, split=True)
+    return Rules(gap=0, small=SMALL_BYTES, most=GROUP_BYTES, split=False)
 
-    def get(piece: Piece) -> None:
-        size = piece.end - piece.start
-        only = piece.targets[0] if len(piece.targets) == 1 else None
-        if only is not None and only[0] == 0 and len(only[1]) == size:
-            read_into(storage, folder, only[2], piece.file, piece.start, only[1])
-            return
-        data = memoryview(bytearray(size))
-        read_into(storage, folder, piece.targets[0][2], piece.file, piece.start, data)
-        for offset, view, _ in piece.targets:
-            view[:] = data[offset : offset + len(view)]
 
-    def check(item: Item) -> None:
-        verify_chunk(folder, item[0], item[2], byte_view(item[3]))
+# (extent index, its bytes): called once per extent, once all of them are in
+Done = Callable[[int, memoryview], None]
 
-    with ThreadPoolExecutor(in_flight) as pool:
-        list(pool.map(get, pieces))
-        if verify:
-            list(pool.map(check, items))
+
+def fetch(
+    storage: Storage, folder: str, extents: Sequence[Extent],
+    into: Sequence[memoryview | None], done: Done, threads: int, rules: Rules | None = None,
+) -> None:  # fmt: skip
+    """Read every extent of ``folder``'s files and call ``done(index, bytes)`` for it as
+    soon as all its bytes are in. ``into[i]`` is where extent i's bytes go (its length),
+    or None: then ``done`` gets them in a buffer that is valid only during the call (no
+    copy when the extent is read in one request). Returns once every call has returned;
+    raises the first error any read or ``done`` raised (the others still finish)."""
+    total = sum(e.end - e.start for e in extents)
+    in_flight = max(1, threads, storage.requests_in_flight)
+    requests = plan(extents, rules or rules_for(storage, total, in_flight))
+    length = [e.end - e.start for e in extents]
+    remaining = [0] * len(extents)
+    for request in requests:
+        for i, _, _ in request.parts:
+            remaining[i] += 1
+    buffers: dict[int, memoryview] = {}  # extents with no ``into`` read in several requests
+    lock = threading.Lock()
+
+    def target(i: int) -> memoryview:
+        view = into[i]
+        if view is not None:
+            return view
+        with lock:
+            if i not in buffers:
+                buffers[i] = memoryview(bytearray(length[i]))
+            return buffers[i]
+
+    def landed(i: int, data: memoryview | None) -> None:
+        with lock:
+            remaining[i] -= 1
+            if remaining[i]:
+                return
+            if data is None:
+                view = into[i]
+                data = view if view is not None else buffers.pop(i)
+        done(i, data)
+
+    def get(request: Request) -> None:
+        key = extents[request.parts[0][0]].key
+        if len(request.parts) == 1:
+            i, lo, hi = request.parts[0]
+            if into[i] is not None or (lo, hi) != (0, length[i]):  # no copy
+                read_into(storage, folder, key, request.file, request.start, target(i)[lo:hi])
+                landed(i, None)
+                return
+        data = memoryview(bytearray(request.end - request.start))
+        read_into(storage, folder, key, request.file, request.start, data)
+        for i, lo, hi in request.parts:
+            at = extents[i].start + lo - request.start
+            if into[i] is None and (lo, hi) == (0, length[i]):
+                landed(i, data[at : at + hi - lo])  # whole in this request: no copy
+            else:
+                target(i)[lo:hi] = data[at : at + hi - lo]
+                landed(i, None)
+
+    for i, view in enumerate(into):
+        if not length[i]:  # nothing to read: handed on as it is
+            done(i, view if view is not None else memoryview(b""))
+    run_all(get, requests, in_flight)

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from unbroken.blockio import byte_view, read_into, verify_chunk
-from unbroken.coalesce import read_coalesced
+from unbroken.coalesce import Extent, fetch
 from unbroken.errors import CheckpointError
 from unbroken.format import Chunk, TensorEntry, safetensors_header, shard_file, verify_block
 from unbroken.storage import Storage
@@ -107,60 +107,22 @@ def read_chunk(
     return out
 
 
-# Blocks smaller than this are fetched together with their neighbours in one request:
-# on object stores each request costs a round trip (tens of ms on some servers), and a
-# model has hundreds of small tensors.
-SMALL_BYTES = 1 << 20
-GROUP_BYTES = 16 << 20
-
-
 def read_many(
     storage: Storage, folder: str,
     items: Sequence[tuple[str, TensorEntry, Chunk, torch.Tensor]], threads: int,
     verify: bool = True,
 ) -> None:  # fmt: skip
     """Read whole chunks into ``out`` tensors (contiguous, CPU, the chunk's dtype and
-    shape), verifying each unless ``verify=False``; runs of small neighbouring chunks go
-    in one request. On storage that takes many requests at once (object stores), reads
-    are coalesced across whole files instead (`unbroken.coalesce`)."""
-    part_size = getattr(storage, "part_size", None)
-    if storage.requests_in_flight > 1 and part_size:
-        read_coalesced(storage, folder, items, threads, part_size, verify)
-        return
-    ordered = sorted(items, key=lambda item: (item[2].file, item[2].start))
-    jobs: list[list[tuple[str, TensorEntry, Chunk, torch.Tensor]]] = []
-    for item in ordered:
-        chunk = item[2]
-        last = jobs[-1] if jobs else None
-        if (
-            last is not None
-            and chunk.nbytes < SMALL_BYTES
-            and last[-1][2].nbytes < SMALL_BYTES
-            and last[-1][2].file == chunk.file
-            and last[-1][2].end == chunk.start
-            and chunk.end - last[0][2].start <= GROUP_BYTES
-        ):
-            last.append(item)
-        else:
-            jobs.append([item])
+    shape), verifying each as soon as it is in unless ``verify=False``; neighbouring
+    chunks share requests as the storage's `unbroken.coalesce.Rules` say."""
+    extents = [Extent(key, c.file, c.start, c.end) for key, _, c, _ in items]
+    views: list[memoryview | None] = [byte_view(out) for _, _, _, out in items]
 
-    def run(group: list[tuple[str, TensorEntry, Chunk, torch.Tensor]]) -> None:
-        if len(group) == 1:
-            key, entry, chunk, out = group[0]
-            read_chunk(storage, folder, key, entry, chunk, out=out, verify=verify)
-            return
-        first = group[0][2]
-        data = bytearray(group[-1][2].end - first.start)
-        read_into(storage, folder, group[0][0], first.file, first.start, memoryview(data))
-        for key, _, chunk, out in group:
-            view = byte_view(out)
-            view[:] = data[chunk.start - first.start : chunk.end - first.start]
-            if verify:
-                verify_chunk(folder, key, chunk, view)
+    def done(i: int, view: memoryview) -> None:
+        if verify:
+            verify_chunk(folder, items[i][0], items[i][2], view)
 
-    with ThreadPoolExecutor(max(1, threads, storage.requests_in_flight)) as pool:
-        for done in pool.map(run, jobs):
-            del done
+    fetch(storage, folder, extents, views, done, threads)
 
 
 def fill(
@@ -234,21 +196,17 @@ def fill_regions(storage: Storage, folder: str, targets: Sequence[Target], threa
                 f"at {list(offsets)} of shape {list(dest.shape)}"
             )
 
-    def run(group: list[_Span]) -> None:
-        first = group[0]
-        direct = _direct(first) if len(group) == 1 else None
-        if direct is not None:  # its bytes are exactly the destination's: no copy
-            read_into(storage, folder, first.key, first.chunk.file, first.start, direct)
-            _check(folder, first, direct)
-            return
-        view = memoryview(bytearray(group[-1].end - first.start))
-        read_into(storage, folder, first.key, first.chunk.file, first.start, view)
-        for span in group:
-            _place(folder, span, view[span.start - first.start : span.end - first.start])
+    extents = [Extent(s.key, s.chunk.file, s.start, s.end) for s in spans]
+    # a span whose bytes are exactly its destination's is read straight into them
+    direct = [_direct(s) for s in spans]
 
-    with ThreadPoolExecutor(max(1, threads, storage.requests_in_flight)) as pool:
-        for done in pool.map(run, _groups(spans)):
-            del done
+    def done(i: int, data: memoryview) -> None:
+        if direct[i] is not None:
+            _check(folder, spans[i], data)
+        else:
+            _place(folder, spans[i], data)
+
+    fetch(storage, folder, extents, direct, done, threads)
 
 
 def _span(
@@ -271,25 +229,6 @@ def _span(
 
 def _strides(shape: Sequence[int]) -> list[int]:
     return [math.prod(shape[dim + 1 :]) for dim in range(len(shape))]
-
-
-def _groups(spans: list[_Span]) -> list[list[_Span]]:
-    """Spans in file order; runs of small ones back to back in one file become one read."""
-    groups: list[list[_Span]] = []
-    for span in sorted(spans, key=lambda s: (s.chunk.file, s.start)):
-        last = groups[-1] if groups else None
-        if (
-            last is not None
-            and span.hi - span.lo < SMALL_BYTES
-            and last[-1].hi - last[-1].lo < SMALL_BYTES
-            and last[-1].chunk.file == span.chunk.file
-            and last[-1].end == span.start
-            and span.end - last[0].start <= GROUP_BYTES
-        ):
-            last.append(span)
-        else:
-            groups.append([span])
-    return groups
 
 
 def _direct(span: _Span) -> memoryview | None:
