@@ -211,7 +211,7 @@ osd_op_num_shards = 2
 osd_op_num_threads_per_shard = 1
 
 [client.rgw]
-rgw_frontends = beast endpoint=127.0.0.1:$PORT
+rgw_frontends = beast endpoint=127.0.0.1:$PORT tcp_nodelay=1
 rgw_thread_pool_size = 32
 rgw_dynamic_resharding = false
 rgw_enable_usage_log = false
