@@ -226,6 +226,10 @@ class RestoreRank:
         self.reads = pieces(needed(self.local.manifest(1), rank, world))
         self.scratch = torch.empty(sum(p[2] for p in self.reads), dtype=torch.uint8)
         self.folder = "step-000000001"
+        # the limits' threads, started once, as unbroken's IO workers are: a limit never
+        # pays a thread start that unbroken does not
+        self.local_pool = ThreadPoolExecutor(max(cfg.io_threads, STREAMS))
+        self.s3_pool = ThreadPoolExecutor(S3Options().concurrency)
 
     def record(self, name: str, seconds: float) -> None:
         self.samples.setdefault(name, []).append(self.cfg.total_bytes / GIB / seconds)
@@ -252,8 +256,7 @@ class RestoreRank:
                         raise EOFError(file)
 
                 # at least unbroken's readers: a limit never has less parallelism
-                with ThreadPoolExecutor(max(self.cfg.io_threads, STREAMS)) as pool:
-                    list(pool.map(one, self.reads))
+                list(self.local_pool.map(one, self.reads))
             finally:
                 for fd in fds.values():
                     os.close(fd)
@@ -273,8 +276,7 @@ class RestoreRank:
             )
 
         def read() -> None:
-            with ThreadPoolExecutor(S3Options().concurrency) as pool:
-                list(pool.map(one, self.reads))
+            list(self.s3_pool.map(one, self.reads))
 
         self.record("s3 limit", timed(read))
 
@@ -305,6 +307,8 @@ class RestoreRank:
         self.local.close()
         if self.s3 is not None:
             self.s3.close()
+        self.local_pool.shutdown()
+        self.s3_pool.shutdown()
         return {"samples": self.samples, "residency": max(self.residency, default=0.0)}
 
 

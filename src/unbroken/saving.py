@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from unbroken.blockio import run_all
 from unbroken.collector import INFO, Collector
 from unbroken.directory import Directory
 from unbroken.dist import Comm
@@ -174,21 +175,29 @@ def _remove_failed(ctx: SaveContext, step: int) -> None:
 
 def _describe(ctx: SaveContext, staged: Staged) -> list[Block]:
     """This rank's blocks, hashed, once its staged copies have landed. Rank 0 first
-    clears the way (see `_clear`)."""
+    clears the way (see `_clear`), in parallel with the hashing, which runs on
+    ``io_threads`` of the process's IO workers (xxh3 releases the GIL)."""
     if staged.error is not None:
         raise CheckpointError(staged.error)
     if staged.ready is not None:
         staged.ready.synchronize()
+    todo = [i for i, key in enumerate(staged.keys) if key not in staged.aliases]
+    sums: dict[str, dict[str, Any]] = {}  # an alias has its original's bytes: hashed once
+
+    def hash_one(i: int) -> None:
+        if i < 0:  # rank 0's turn to clear the way
+            _clear(ctx, staged.step, staged.rollback_from)
+        else:
+            sums[staged.keys[i]] = asdict(block_checksums(byte_view(staged.blocks[i])))
+
     if ctx.comm.rank == 0 and not staged.skipped:
-        _clear(ctx, staged.step, staged.rollback_from)
-    sums: dict[str, dict[str, Any]] = {}
+        todo.insert(0, -1)
+    run_all(hash_one, todo, max(2, ctx.io_threads))
     blocks = []
     for key, t, offsets, shape in zip(
         staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True
     ):
         alias = staged.aliases.get(key)
-        if alias is None:  # an alias has its original's bytes: hashed once
-            sums[key] = asdict(block_checksums(byte_view(t)))
         blocks.append(
             Block(
                 key=key,
