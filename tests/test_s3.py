@@ -4,11 +4,14 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import unbroken
 from conftest import make_model, s3_client, train_steps
 from servers.faulty_proxy import FaultyProxy
 from unbroken import Checkpointer, CheckpointError
+from unbroken.storage.s3 import MIN_PART, upload_parts
 
 
 def _state(seed=0):
@@ -169,3 +172,17 @@ def test_restore_coalesces_reads_across_tensors_and_counts_requests(bucket):
     # 50 MiB in pieces of 8 MiB or the part size, whichever is less, across tensor
     # boundaries: 7 to 10 ranged GETs (plus the manifest's), not one per tensor
     assert reader.storage.requests["GET"] <= 10 + 3, reader.storage.requests  # type: ignore[attr-defined]
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(0, 1 << 36), part_size=st.integers(5 << 20, 1 << 30))
+def test_upload_parts_are_even_and_at_least_s3s_smallest(total, part_size):
+    """Parts of about the part size, none under S3's 5 MiB but a lone one, and no small
+    last part of its own (a shard file's few KB of header once cost a request)."""
+    count, part = upload_parts(total, part_size)
+    assert (count - 1) * part < max(total, 1) <= count * part  # every byte, no empty part
+    assert count == 1 or part >= MIN_PART
+    assert part <= part_size * 3 // 2 + 1  # about the part size asked for
+    assert count == 1 or part >= part_size * 3 // 4
+    if count > 1:
+        assert total - (count - 1) * part >= part - count  # the last part is not a stub
