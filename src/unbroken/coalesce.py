@@ -20,6 +20,7 @@ that read that byte, so checksums overlap the reads still in flight.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -142,10 +143,7 @@ def fetch(
     in_flight = max(1, threads, storage.requests_in_flight)
     requests = plan(extents, rules or rules_for(storage, total, in_flight))
     length = [e.end - e.start for e in extents]
-    remaining = [0] * len(extents)
-    for request in requests:
-        for i, _, _ in request.parts:
-            remaining[i] += 1
+    remaining = Counter(i for request in requests for i, _, _ in request.parts)
     buffers: dict[int, memoryview] = {}  # extents with no ``into`` read in several requests
     lock = threading.Lock()
 
