@@ -21,9 +21,10 @@ Methods:
 
 - unbroken: ``Checkpointer("s3://bucket/unbroken")``, default options (16 MiB parts, 16
   requests in flight per object) but endpoint, credentials and path-style addressing;
-- raw limit: each rank PUTs its bytes with ``obstore.put`` (16 MiB parts, 16 in flight) and
-  reads them back with 16 parallel ``get_range`` calls into a preallocated buffer: the same
-  client and client settings as unbroken, without its format, checksums or coordination;
+- raw limit: each rank PUTs its bytes with ``obstore.put`` (unbroken's parts, 16 in flight,
+  fed part by part as unbroken feeds its tensors) and reads them back with 16 parallel
+  ``get_range`` calls of unbroken's GET size into a preallocated buffer: the same client,
+  settings and request sizes as unbroken, without its format, checksums or coordination;
 - ``torch.save`` into a BytesIO, ``upload_fileobj`` (boto3's default TransferConfig:
   multipart, 10 threads); ``download_fileobj`` + ``torch.load(weights_only=True)`` + copy
   into the live tensors;

@@ -35,8 +35,9 @@ from common import (
     verify,
 )
 from s3_clients import Connector, FetchCounter, Server, boto3_client, delete_prefix, reason_of
+from unbroken.coalesce import MIN_PIECE
 from unbroken.shards import FILE_BYTES
-from unbroken.storage.s3 import S3Options, S3Storage
+from unbroken.storage.s3 import S3Options, S3Storage, upload_parts
 
 PART = 16 * MIB  # raw limit: multipart part size and ranged-GET piece, as unbroken's default
 CONCURRENCY = 16  # raw limit: requests in flight, as unbroken's default
@@ -155,12 +156,16 @@ class S3Rank:
         def put() -> None:
             def one(obj: tuple[str, int, int]) -> None:
                 key, off, n = obj
+                count, part = upload_parts(n, PART)  # unbroken's parts for the same size
+                # fed part by part, so the client copies each while earlier ones upload,
+                # as it does unbroken's tensors (one buffer would be copied whole first)
+                pieces = [data[off + s : off + min(s + part, n)] for s in range(0, n, part)]
                 obstore.put(
                     store,
                     key,
-                    data[off : off + n],
-                    use_multipart=n > PART,
-                    chunk_size=PART,
+                    iter(pieces),
+                    use_multipart=count > 1,
+                    chunk_size=part,
                     max_concurrency=CONCURRENCY,
                 )
 
@@ -168,10 +173,13 @@ class S3Rank:
                 list(threads.map(one, objects))
 
         out = self.scratch.numpy().data
+        # unbroken's GET size for this many bytes (coalesce.rules_for): the part size, or
+        # less when there would not be a GET for every connection
+        length = min(PART, max(MIN_PIECE, -(-self.nbytes // CONCURRENCY)))
         pieces = [  # (key, start in the object, start in the rank's bytes, length)
-            (key, start, off + start, min(PART, n - start))
+            (key, start, off + start, min(length, n - start))
             for key, off, n in objects
-            for start in range(0, n, PART)
+            for start in range(0, n, length)
         ]
 
         def get() -> None:
