@@ -182,7 +182,8 @@ def test_upload_parts_are_even_and_at_least_s3s_smallest(total, part_size):
     count, part = upload_parts(total, part_size)
     assert (count - 1) * part < max(total, 1) <= count * part  # every byte, no empty part
     assert count == 1 or part >= MIN_PART
-    assert part <= part_size * 3 // 2 + 1  # about the part size asked for
+    # about the part size asked for (one PUT under 10 MiB: two parts would be under 5 MiB)
+    assert part <= part_size * 3 // 2 + 1 or (count == 1 and total < 2 * MIN_PART)
     assert count == 1 or part >= part_size * 3 // 4
     if count > 1:
         assert total - (count - 1) * part >= part - count  # the last part is not a stub
