@@ -263,3 +263,97 @@ def _window_job(rank: int, world: int, job: str) -> list[tuple[int | None, bool,
         else:
             assert state["progress"] == {"step": 2}  # the record's per-rank state, too
     return results
+
+
+def test_plan_takes_a_lost_ranks_source_among_the_ranks_holding_its_shard():
+    """HSDP on a 2x2 mesh: ranks 0 and 2 hold one shard, 1 and 3 the other."""
+    peers = [[0, 2], [1, 3], [0, 2], [1, 3]]
+    rows = table((None, {}), (None, {}), (5, {0: [5]}), (5, {1: [5]}))
+    chosen = healing.plan([{**row, "peers": p} for row, p in zip(rows, peers, strict=True)])
+    assert chosen == healing.Plan(step=5, source={0: 2, 1: 3}, holder={0: 2, 1: 3})
+    # Both holders of shard 0 lost: no live replica, the snapshot path restores.
+    rows = table((None, {}), (5, {0: [5]}), (None, {}), (5, {2: [5]}))
+    assert healing.plan([{**row, "peers": p} for row, p in zip(rows, peers, strict=True)]) is None
+
+
+@pytest.mark.timeout(120)
+def test_hsdp_replacements_heal_from_their_shard_peers_bitwise():
+    """FSDP2 (`fully_shard`) on a 2-D CPU mesh, replicate x shard, 4 gloo ranks: replica
+    group {0, 1} is lost (a node); each replacement, built fresh, receives its shard's
+    live model and optimizer state from the rank holding the same shard in the other
+    group, in place, and the run ends bitwise equal to an uninterrupted one. Then both
+    holders of one shard are lost: healing refuses, changing nothing."""
+    from ranks import run_ranks
+
+    job = f"hsdp-{os.getpid()}-{random.random()}"
+    results = run_ranks(_hsdp_job, job, world=4, timeout=110)
+    assert results == [(3, True, True, True, None)] * 4
+
+
+def _hsdp_job(rank: int, world: int, job: str) -> tuple:
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from unbroken.dist import Comm
+    from unbroken.peers import local
+    from unbroken.state import capture
+
+    comm = Comm(None, timedelta(seconds=30))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def build(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        fully_shard(model, mesh=mesh)
+        optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+        return {"model": model, "optim": optim, "progress": {"step": 0}}
+
+    def train(state: dict, step: int) -> None:
+        torch.manual_seed(1000 * step + rank)  # each rank its own data
+        state["optim"].zero_grad()
+        state["model"](torch.randn(4, 8)).pow(2).sum().backward()
+        state["optim"].step()
+        state["progress"] = {"step": step}
+        record = Record.make(step, rank, state, layouts={}, data_parallel=False)
+        records.keep_own(job, record)
+        others = [(rank + 1) % world, (rank + 2) % world]
+        got = records.exchange(comm, dict.fromkeys(others, record.data),
+                               [(rank - 1) % world, (rank - 2) % world])  # fmt: skip
+        for owner, data in got.items():
+            records.keep_held(job, owner, step, data)
+
+    def held(state: dict) -> list[torch.Tensor]:
+        tensors, _ = capture({"model": state["model"], "optim": state["optim"]})
+        return [local(tensors[k]).clone() for k in sorted(tensors)]
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    reference = build(0)
+    for step in range(1, 6):
+        train(reference, step)
+    records.forget(job)
+    state = build(0)
+    for step in range(1, 4):
+        train(state, step)
+    before = held(state)
+    if rank in (0, 1):  # replica group 0 lost: replacements, fresh, holding nothing
+        records.forget(job)
+        state = build(99)
+    healed = healing.heal(comm, job, state)
+    at = None if healed is None else healed[0].step
+    ok = same(held(state), before) and state["progress"] == {"step": 3}
+    for step in (4, 5):
+        train(state, step)
+    bitwise = same(held(state), held(reference))
+    # Ranks 0 and 2 (both holders of shard 0) lost: no live replica of it.
+    now = held(state)
+    if rank in (0, 2):
+        records.forget(job)
+        state = build(7)
+        now = held(state)
+    refused = healing.heal(comm, job, state)
+    untouched = same(held(state), now)
+    return at, ok, bitwise, untouched, refused
