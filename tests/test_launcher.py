@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -284,3 +286,41 @@ def test_timeline_gives_each_fault_its_own_recovery():
     assert (first["restart_t"], first["first_step_t"], first["steps_redone"]) == (12.0, 14.0, 2)
     assert (second["restart_t"], second["first_step_t"], second["steps_redone"]) == (23.0, 25.0, 5)
     assert (first["detected_by"], second["detected_by"]) == ("worker_exit", "node_kill_requested")
+
+
+def _other_addresses() -> list[str]:
+    """Addresses of this machine other than 127.0.0.1: 127.0.0.2 (loopback too, so a
+    socket listening on every interface answers it) and the outward one if there is."""
+    found = ["127.0.0.2"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))  # no packet is sent: only the route is looked up
+            if not s.getsockname()[0].startswith("127."):
+                found.append(s.getsockname()[0])
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.timeout(30)
+def test_the_launchers_store_listens_on_loopback_only():
+    """torch's TCPStore master listens on every interface and has no authentication;
+    the launcher's store (`unbroken.run.listen.store`) listens on 127.0.0.1 alone: a
+    client on any other address is refused, and the job's own clients are unaffected."""
+    import torch.distributed as dist
+
+    from unbroken.run import listen
+
+    store = listen.store(timeout=5)
+    store.set("unbroken/generation", "7")
+    for address in _other_addresses():
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, store.port), timeout=2).close()
+        with pytest.raises(RuntimeError):  # torch's own client, refused the same way
+            dist.TCPStore(address, store.port, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=1))  # fmt: skip
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=5))  # fmt: skip
+    assert client.get("unbroken/generation") == b"7"
+    with pytest.raises(OSError, match="cannot listen on 127.0.0.1:"):
+        listen.store("127.0.0.1", store.port)  # taken: the error names the address

@@ -42,10 +42,9 @@ import argparse
 import json
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
-from unbroken.run import contract
+from unbroken.run import contract, listen
 
 POLL_S = 0.02
 NODE_TIMEOUT_S = 2.0
@@ -200,11 +199,8 @@ def ping(store: Any, agent: str) -> None:
 def serve(
     host: str, port: int, node_timeout: float, suspect_timeout: float, exit_when_done: bool
 ) -> int:
-    import torch.distributed as dist
 
-    store = dist.TCPStore(
-        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
+    store = listen.store(host, port)
     store.add(contract.GENERATION_KEY, 0)
     print(f"unbroken coordinator: listening on {host}:{store.port}", flush=True)
     coordinator = Coordinator(store, node_timeout, suspect_timeout)
@@ -220,7 +216,12 @@ def main(argv: list[str]) -> int:
         "where no training node's loss takes it away (a Kubernetes Deployment), and point "
         "every node's --rdzv-endpoint at it.",
     )
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    p.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="the one address to listen on (default: all); let only the job's nodes reach "
+        "it (docs/kubernetes.md)",
+    )
     p.add_argument("--port", type=int, default=29400, help="TCP port (0: any free one)")
     p.add_argument(
         "--node-timeout",
