@@ -294,7 +294,6 @@ def _hsdp_job(rank: int, world: int, job: str) -> tuple:
     from datetime import timedelta
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from unbroken.dist import Comm
     from unbroken.peers import local
@@ -304,25 +303,10 @@ def _hsdp_job(rank: int, world: int, job: str) -> tuple:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
     def build(seed: int) -> dict:
-        torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-        fully_shard(model, mesh=mesh)
-        optim = torch.optim.AdamW(model.parameters(), lr=0.05)
-        return {"model": model, "optim": optim, "progress": {"step": 0}}
+        return _hsdp_state(mesh, seed)
 
     def train(state: dict, step: int) -> None:
-        torch.manual_seed(1000 * step + rank)  # each rank its own data
-        state["optim"].zero_grad()
-        state["model"](torch.randn(4, 8)).pow(2).sum().backward()
-        state["optim"].step()
-        state["progress"] = {"step": step}
-        record = Record.make(step, rank, state, layouts={}, data_parallel=False)
-        records.keep_own(job, record)
-        others = [(rank + 1) % world, (rank + 2) % world]
-        got = records.exchange(comm, dict.fromkeys(others, record.data),
-                               [(rank - 1) % world, (rank - 2) % world])  # fmt: skip
-        for owner, data in got.items():
-            records.keep_held(job, owner, step, data)
+        _hsdp_step(comm, job, state, step)
 
     def held(state: dict) -> list[torch.Tensor]:
         tensors, _ = capture({"model": state["model"], "optim": state["optim"]})
@@ -357,3 +341,30 @@ def _hsdp_job(rank: int, world: int, job: str) -> tuple:
     refused = healing.heal(comm, job, state)
     untouched = same(held(state), now)
     return at, ok, bitwise, untouched, refused
+
+
+def _hsdp_state(mesh: object, seed: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    fully_shard(model, mesh=mesh)  # type: ignore[call-overload]
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    return {"model": model, "optim": optim, "progress": {"step": 0}}
+
+
+def _hsdp_step(comm: object, job: str, state: dict, step: int) -> None:
+    """One training step on this rank's own data, and its record sent to two peers."""
+    rank, world = comm.rank, comm.world_size  # type: ignore[attr-defined]
+    torch.manual_seed(1000 * step + rank)
+    state["optim"].zero_grad()
+    state["model"](torch.randn(4, 8)).pow(2).sum().backward()
+    state["optim"].step()
+    state["progress"] = {"step": step}
+    record = Record.make(step, rank, state, layouts={}, data_parallel=False)
+    records.keep_own(job, record)
+    others = [(rank + 1) % world, (rank + 2) % world]
+    got = records.exchange(comm, dict.fromkeys(others, record.data),  # type: ignore[arg-type]
+                           [(rank - 1) % world, (rank - 2) % world])  # fmt: skip
+    for owner, data in got.items():
+        records.keep_held(job, owner, step, data)

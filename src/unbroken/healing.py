@@ -16,8 +16,9 @@ replacement). Healing happens when, at restore:
 
 Then, with every check passed on every rank before anything changes: each lost rank
 receives the module and optimizer tensors (a DTensor's local part) from one live
-replica (lost ranks spread over them), point to point on the checkpointer's group, straight into its tensors,
-each checked on arrival, and its record from the peer that holds it; every rank loads
+replica (lost ranks spread over them), point to point on the checkpointer's group,
+straight into its tensors, each checked on arrival, and its record from the peer that
+holds it; every rank loads
 its record's per-rank entries (a live rank's own record: idempotent for objects that
 survived, a repair for ones built anew). Anything else (ranks at different steps, a
 record missing, a pure FSDP shard, every replica of a shard lost) returns None, and the
