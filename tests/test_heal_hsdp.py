@@ -158,10 +158,10 @@ def _checkpointer_job(rank: int, world: int, where: str) -> tuple:
         records.forget(ckpt._job)
         state = _hsdp_state(mesh, 5)
     ckpt = Checkpointer(f"{where}/ckpt", memory_dir=f"{where}/shm-{rank // 2}")
-    step = ckpt.restore(state)
+    restored = ckpt.restore(state)
     assert ckpt.last_restore is not None
     origins = [(o.kind, o.peer) for o in ckpt.last_restore.origins]
     after = [local(p) for p in state["model"].parameters()]
     same = all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
     ckpt.close()
-    return step, origins, same
+    return restored, origins, same
