@@ -29,13 +29,17 @@ def announce(store: Any) -> None:
 
 class Listener:
     """A thread on its own connection to ``host:port`` that sets `changed` at each
-    announcement. `take` returns and clears the flag."""
+    announcement made after the constructor returns (a look at the store after that
+    misses nothing). `take` returns and clears the flag."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+        import torch.distributed as dist
+
         self.changed = threading.Event()
         self.stopped = False
-        self._thread = threading.Thread(target=self._run, name="unbroken-news")
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
+        seen = int(store.add(NEWS_KEY, 0))
+        self._thread = threading.Thread(target=self._run, args=(store, seen), name="unbroken-news")
         self._thread.start()
 
     def take(self) -> bool:
@@ -53,12 +57,8 @@ class Listener:
             announce(store)
             self._thread.join(timeout=5.0)
 
-    def _run(self) -> None:
-        import torch.distributed as dist
-
+    def _run(self, store: Any, seen: int) -> None:
         try:
-            store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False)
-            seen = int(store.add(NEWS_KEY, 0))
             while not self.stopped:
                 store.wait([f"{NEWS_KEY}-{seen + 1}"], timedelta(days=1))
                 seen = max(seen + 1, int(store.add(NEWS_KEY, 0)))
