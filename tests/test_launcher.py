@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -284,3 +287,97 @@ def test_timeline_gives_each_fault_its_own_recovery():
     assert (first["restart_t"], first["first_step_t"], first["steps_redone"]) == (12.0, 14.0, 2)
     assert (second["restart_t"], second["first_step_t"], second["steps_redone"]) == (23.0, 25.0, 5)
     assert (first["detected_by"], second["detected_by"]) == ("worker_exit", "node_kill_requested")
+
+
+def _other_addresses() -> list[str]:
+    """Addresses of this machine other than 127.0.0.1: 127.0.0.2 (loopback too, so a
+    socket listening on every interface answers it) and the outward one if there is."""
+    found = ["127.0.0.2"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))  # no packet is sent: only the route is looked up
+            if not s.getsockname()[0].startswith("127."):
+                found.append(s.getsockname()[0])
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.timeout(30)
+def test_the_launchers_store_listens_on_loopback_only():
+    """torch's TCPStore master listens on every interface and has no authentication;
+    the launcher's store (`unbroken.run.listen.store`) listens on 127.0.0.1 alone: a
+    client on any other address is refused, and the job's own clients are unaffected."""
+    import torch.distributed as dist
+
+    from unbroken.run import listen
+
+    store = listen.store(timeout=5)
+    store.set("unbroken/generation", "7")
+    for address in _other_addresses():
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, store.port), timeout=2).close()
+        with pytest.raises(RuntimeError):  # torch's own client, refused the same way
+            dist.TCPStore(address, store.port, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=1))  # fmt: skip
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=5))  # fmt: skip
+    assert client.get("unbroken/generation") == b"7"
+    with pytest.raises(OSError, match=r"cannot listen on 127\.0\.0\.1:"):
+        listen.store("127.0.0.1", store.port)  # taken: the error names the address
+
+
+class _Counted:
+    """A store whose requests are counted."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.n = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.n += 1
+            return call(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.timeout(30)
+def test_the_idle_coordinator_waits_for_announcements_yet_acts_on_a_report_at_once():
+    """At idle the coordinator looks at the store every `look_s` (not every poll), and
+    a worker's report of a lost peer, announced (`unbroken.run.news`), still reaches it
+    within a poll or two: it pings the agents at once."""
+    from unbroken.run import contract, coordinator, listen
+    from unbroken.run.news import Listener, announce
+
+    raw = listen.store(timeout=10)
+    raw.add(contract.GENERATION_KEY, 0)
+    raw.set(contract.JOB_KEY, json.dumps({"nnodes": 2, "nproc_per_node": 1}))
+    for slot in range(2):
+        raw.set(contract.slot_key(slot, "owner"), f"agent{slot}")
+    store = _Counted(raw)
+    coord = coordinator.Coordinator(store, node_timeout=2.0)
+    coord.news = Listener("127.0.0.1", raw.port)
+    try:
+        while not coord.started:
+            coord.poll()
+        idle_from, start = store.n, time.monotonic()
+        while time.monotonic() - start < 1.0:
+            for slot in range(2):  # the agents beat
+                raw.add(contract.agent_beat_key(f"agent{slot}"), 1)
+            coord.poll()
+            time.sleep(coordinator.POLL_S)
+        looks = 1.0 / coord.look_s + 1
+        assert store.n - idle_from <= looks * 12, store.n - idle_from  # ~10 requests a look
+        assert coord.suspected is None
+        raw.append(f"{contract.SUSPECT_KEY}-0", "1,")
+        announce(raw)
+        reported = time.monotonic()
+        while coord.suspected is None and time.monotonic() - reported < 0.3:
+            coord.poll()
+            time.sleep(0.005)
+        assert coord.suspected is not None, "the announced report was not seen in 0.3 s"
+        assert raw.check([f"{contract.AGENT_PREFIX}agent0/{contract.PING_SUFFIX}-1"])
+    finally:
+        coord.news.stop(raw)

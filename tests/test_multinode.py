@@ -262,6 +262,7 @@ def test_coordinator_starts_generations_and_frees_a_silent_nodes_slot():
     def beat(*agents: str) -> None:
         for a in agents:
             store.add(contract.agent_beat_key(a), 1)
+        time.sleep(co.look_s)  # nothing is announced here: seen at the next look
         co.poll()
 
     store.set(contract.slot_key(0, "owner"), "a")
@@ -318,6 +319,7 @@ def test_a_worker_report_finds_the_lost_node_by_ping_long_before_its_node_timeou
     # Rank 1 (node 0) saw a peer vanish: every agent is pinged; b answers, c does not,
     # and node 0 is vouched for by its reporting rank.
     store.append(f"{contract.SUSPECT_KEY}-0", "1,")
+    time.sleep(co.look_s)  # not announced here (the idle test below announces): next look
     co.poll()
     assert all(pinged(a) for a in "abc")
     store.add(contract.agent_beat_key("b"), 1)

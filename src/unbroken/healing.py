@@ -6,19 +6,22 @@ A rank is *live at step L* if its process survived, its newest per-step record
 record's fingerprint (nothing moved them past L). A rank with no record is *lost* (a
 replacement). Healing happens when, at restore:
 
-- every live rank is live at the same step L, and the state is data-parallel (every
-  module entry wrapped by DDP, no DTensor: each rank holds the whole model);
-- every lost rank's record of L is held by a peer;
-- the live ranks' modules and optimizers are bitwise the same (full checksums; a
-  difference is reported as silent data corruption and healing is refused).
+- every live rank is live at the same step L, and its state is replicated: data-parallel
+  (every module entry wrapped by DDP: each rank holds the whole model), or DTensors
+  with a replicated mesh dimension (HSDP, FSDP2 on a replicate x shard mesh: the ranks
+  holding the same shard in the other replica groups are its replicas, `unbroken.peers`);
+- every lost rank's record of L is held by a peer, and a live rank holds its replica;
+- the live replicas of each state (of each shard) are bitwise the same (full checksums;
+  a difference is reported as silent data corruption and healing is refused).
 
 Then, with every check passed on every rank before anything changes: each lost rank
-receives the module and optimizer tensors from one live rank (lost ranks spread over
-the live ones), point to point on the checkpointer's group, straight into its tensors,
-each checked on arrival, and its record from the peer that holds it; every rank loads
+receives the module and optimizer tensors (a DTensor's local part) from one live
+replica (lost ranks spread over them), point to point on the checkpointer's group,
+straight into its tensors, each checked on arrival, and its record from the peer that
+holds it; every rank loads
 its record's per-rank entries (a live rank's own record: idempotent for objects that
 survived, a repair for ones built anew). Anything else (ranks at different steps, a
-record missing, a sharded model, a whole replica group lost) returns None, and the
+record missing, a pure FSDP shard, every replica of a shard lost) returns None, and the
 snapshot path (`unbroken.restoring`) runs instead.
 """
 
@@ -34,12 +37,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 from unbroken import records
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.format import checksum, dtype_name, torch_dtype, verify_block
+from unbroken.peers import local, shard_peers, sharded
 from unbroken.records import Record
+from unbroken.restoring import _init_state
 from unbroken.shards import byte_view
 from unbroken.sources import Origin, Restored
 from unbroken.state import capture, decode, is_stateful
@@ -58,46 +64,62 @@ class Plan:
 
 
 def plan(table: list[dict[str, Any]]) -> Plan | None:
-    """Pure: the plan for the gathered ``{"live": step or None, "held": {owner: steps}}``
-    of every rank, or None if healing cannot be exact."""
+    """Pure: the plan for the gathered ``{"live": step or None, "held": {owner: steps},
+    "peers": ranks holding the same replicated state, or None for any}`` of every rank,
+    or None if healing cannot be exact. A lost rank's source is a live rank each of the
+    two counts as a peer (under HSDP: the same shard, in another replica group)."""
     live = [r for r, row in enumerate(table) if row["live"] is not None]
     steps = {table[r]["live"] for r in live}
     if not live or len(steps) != 1:
         return None
     (step,) = steps
     lost = [r for r in range(len(table)) if r not in live]
-    holder = {}
-    for r in lost:
+    holder, source = {}, {}
+    for i, r in enumerate(lost):
         holders = [q for q in live if step in table[q]["held"].get(str(r), [])]
-        if not holders:
+        sources = [q for q in live if _peers(table, r, q)]
+        if not holders or not sources:
+            log.info(
+                "rank %d cannot be healed at step %d: %s", r, step,
+                "no live rank holds its step record" if not holders
+                else "no live rank holds a replica of its state",
+            )  # fmt: skip
             return None
-        holder[r] = holders[0]
-    source = {r: live[i % len(live)] for i, r in enumerate(lost)}
+        holder[r], source[r] = holders[0], sources[i % len(sources)]
     return Plan(step, source, holder)
+
+
+def _peers(table: list[dict[str, Any]], a: int, b: int) -> bool:
+    of_a, of_b = table[a].get("peers"), table[b].get("peers")
+    return (of_a is None or b in of_a) and (of_b is None or a in of_b)
 
 
 def heal(comm: Comm, job: str, state: MutableMapping[str, Any]) -> tuple[Restored, Record] | None:
     """Heal ``state`` from live replicas, or None (nothing changed) where it cannot.
     Collective. Returns what was restored and the record this rank loaded."""
     mine = records.own(job, comm.rank)
+    peers = shard_peers(comm, state)
+    replicas = mine is not None and (
+        bool(mine.header.get("data_parallel")) if peers is None else len(peers) > 1
+    )
     live = None
-    if (
-        mine is not None
-        and mine.header.get("data_parallel")
-        and _whole(state)
-        and records.fingerprint(state) == mine.header["fingerprint"]
-    ):
+    if replicas and mine is not None and records.fingerprint(state) == mine.header["fingerprint"]:
         live = mine.step
     held = {str(o): sorted(s) for o, s in records.held(job).items()}
-    chosen = plan(comm.all_gather({"live": live, "held": held}))
+    chosen = plan(comm.all_gather({"live": live, "held": held, "peers": peers}))
     if chosen is None:
         return None
     meta = _meta(state) if comm.rank not in chosen.source else None
-    digests = comm.all_gather(None if meta is None else meta["digest"])
-    if len({d for d in digests if d is not None}) > 1:
+    # Live replicas of the same state (under HSDP: the same shard) must agree bitwise.
+    digests = comm.all_gather(None if meta is None else [meta["digest"], peers])
+    groups: dict[str, set[str]] = {}
+    for d in digests:
+        if d is not None:
+            groups.setdefault(json.dumps(d[1]), set()).add(d[0])
+    if any(len(g) > 1 for g in groups.values()):
         log.warning(
-            "data-parallel replicas differ at step %d (digests by rank %s): silent data "
-            "corruption? Not healing from them", chosen.step, digests,
+            "replicas differ at step %d (digests by rank %s): silent data corruption? "
+            "Not healing from them", chosen.step, digests,
         )  # fmt: skip
         return None
     record, meta = _messages(comm, job, chosen, meta)
@@ -117,18 +139,13 @@ def heal(comm: Comm, job: str, state: MutableMapping[str, Any]) -> tuple[Restore
     return Restored(step=chosen.step, origins=origins, rank=comm.rank), record
 
 
-def _whole(state: Mapping[str, Any]) -> bool:
-    tensors, _ = capture({k: v for k, v in state.items() if records.replicated(v)})
-    return not any(isinstance(t, DTensor) for t in tensors.values())
-
-
 def _meta(state: Mapping[str, Any]) -> dict[str, Any]:
     """What a live rank tells a lost one about the replicated entries: their JSON tree,
     each tensor's dtype, shape and checksum, and a digest of it all."""
     tensors, tree = capture({k: v for k, v in state.items() if records.replicated(v)})
     table = []
     for key in sorted(tensors):
-        t = tensors[key].detach()
+        t = local(tensors[key])
         cpu = t if t.device.type == "cpu" and t.is_contiguous() else t.cpu().contiguous()
         table.append([key, dtype_name(t.dtype), list(t.shape), checksum(byte_view(cpu))])
     digest = checksum(memoryview(json.dumps(table).encode()))
@@ -192,18 +209,27 @@ def _targets(
             f"the live replica holds entries {sorted(meta['tree'])} and the step record "
             f"{sorted(record.header['tree'])}; this rank's state has {sorted(state)}"
         )
+    if sharded(state):  # a fresh optimizer's DTensor state exists to receive into
+        for name in sorted(names):
+            if isinstance(state[name], Optimizer):
+                _init_state(state[name])
     current, _ = capture({k: state[k] for k in names})
     targets = {}
     for key, dtype, shape, _ in meta["tensors"]:
-        t = current.get(key)
+        t = None if key not in current else local(current[key])
         wanted = torch_dtype(dtype, f"live replica: {key}")
         if t is not None and list(t.shape) != shape:
             raise CheckpointError(
-                f"tensor {key!r} has shape {shape} on the live replica but "
-                f"{list(t.shape)} here; build the model with the same configuration"
+                f"tensor {key!r} has (local) shape {shape} on the live replica but "
+                f"{list(t.shape)} here; build the model with the same configuration and mesh"
             )
         if t is not None and t.device.type == "cpu" and t.is_contiguous() and t.dtype == wanted:
-            targets[key] = t.detach()
+            targets[key] = t
+        elif isinstance(current.get(key), DTensor):
+            raise CheckpointError(
+                f"the local part of DTensor {key!r} is not a contiguous CPU {dtype} tensor "
+                "here: it cannot receive its replica in place"
+            )
         else:
             targets[key] = torch.empty(shape, dtype=wanted)
     return targets
@@ -219,7 +245,7 @@ def _receive(
     if serves:
         tensors, _ = capture({k: v for k, v in state.items() if records.replicated(v)})
         for key in sorted(tensors):
-            t = tensors[key].detach()
+            t = local(tensors[key])
             t = t if t.device.type == "cpu" and t.is_contiguous() else t.cpu().contiguous()
             for lost in serves:
                 ops.append(_p2p(dist.isend, t, lost, comm))
@@ -244,8 +270,11 @@ def _load(
     ranks only) and this rank's record."""
     for key, _, _, xxh3 in meta.get("tensors", []):
         verify_block(byte_view(targets[key]), xxh3, f"live replica: tensor {key!r}", " on arrival")
+    # A DTensor received its local part in place: the entry is loaded with the DTensor.
+    current, _ = capture({k: state[k] for k in meta.get("tree", {})})
+    landed = {k: v for k, v in current.items() if isinstance(v, DTensor)}
     for name, encoded in meta.get("tree", {}).items():
-        _hand(state, name, decode(encoded, targets))
+        _hand(state, name, decode(encoded, {**targets, **landed}))
     tensors = record.tensors()
     for name, encoded in record.header["tree"].items():
         if name in state:

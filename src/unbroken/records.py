@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from unbroken.dist import Comm
@@ -107,7 +108,7 @@ def fingerprint(state: Mapping[str, Any]) -> str:
     spaced elements of every tensor (an optimizer step changes nearly all of them)."""
     names, samples = [], []
     for key, t in _replicated_tensors(state):
-        flat = t.detach().reshape(-1)
+        flat = (t.to_local() if isinstance(t, DTensor) else t).detach().reshape(-1)
         stride = max(1, flat.numel() // SAMPLES)
         names.append(f"{key}:{dtype_name(t.dtype)}:{list(t.shape)}")
         samples.append(flat[::stride][:SAMPLES].to("cpu").contiguous().view(torch.uint8))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -35,6 +36,7 @@ from datetime import timedelta
 from unbroken.run import contract
 from unbroken.run.args import RunOptions
 from unbroken.run.coordinator import ping
+from unbroken.run.news import Listener, announce
 from unbroken.run.procs import descendants, kill_tree
 from unbroken.run.spare import Spares
 from unbroken.run.supervisor import Supervisor
@@ -49,6 +51,7 @@ CLAIM_POLL_S = 0.02  # a standby takes a freed slot this soon (part of every nod
 # recovery's critical path, the steady state is not.
 FAST_POLL_S = 0.01
 FAST_FOR_S = 2.0
+LOOK_S = 1.0  # between two looks at the store when nothing is announced (`run.news`)
 # After a hang, how long ranks have to answer the abort before they are judged hung: more
 # than on one machine, since the abort reaches them through the coordinator, and a rank
 # killed wrongly costs far more than the wait.
@@ -84,6 +87,8 @@ class NodeAgent(Supervisor):
         self.beater: threading.Thread | None = None
         self.answerer: threading.Thread | None = None
         self.fast_until = 0.0  # poll every FAST_POLL_S until then
+        self.news: Listener | None = None
+        self.looked = -math.inf
 
     # -- start: join the job, claim a slot
 
@@ -124,6 +129,8 @@ class NodeAgent(Supervisor):
             for _ in range(self.local if self.wanted is None else 1):
                 self.spares.start()
         self.slot = self._claim()
+        self.news = Listener(self.host, self.port)
+        announce(self.store)
         self.beater = threading.Thread(target=self._beat, name="unbroken-agent-beat")
         self.beater.start()
         self.answerer = threading.Thread(target=self._answer, name="unbroken-agent-ping")
@@ -213,17 +220,30 @@ class NodeAgent(Supervisor):
             return bool(self.live_pids())
 
     def _poll(self) -> bool:
-        owner = self.store.get(contract.slot_key(self.slot, "owner")).decode()
-        if owner != self.id:
-            self.give_up(f"the coordinator gave node slot {self.slot} to another agent")
-            return True
-        self._follow()
+        """The local ranks at every call; the store only when something was announced,
+        in a recovery, or every `LOOK_S`."""
+        now = time.monotonic()
+        look = (
+            (self.news is not None and self.news.take())
+            or now < self.fast_until
+            or self.probing is not None
+            or now - self.looked >= LOOK_S
+        )
+        if look:
+            self.looked = now
+            owner = self.store.get(contract.slot_key(self.slot, "owner")).decode()
+            if owner != self.id:
+                self.give_up(f"the coordinator gave node slot {self.slot} to another agent")
+                return True
+            self._follow()
         self.check_workers()
-        self._handle_abort()
+        if look or (self.news is not None and self.news.changed.is_set()):
+            self._handle_abort()  # this agent's own abort too, in the same call
         self.replenish()
         if self.workers and all(w.done for w in self.workers.values()):
             self._stop_beating()  # before the coordinator may exit: no beat into a void
             self.store.set(contract.slot_key(self.slot, contract.DONE_SUFFIX), self.id)
+            announce(self.store)
             return False
         return True
 
@@ -271,6 +291,7 @@ class NodeAgent(Supervisor):
     def _settle(self) -> None:
         key = contract.generation_key(self.generation, contract.SETTLED_KEY, self.id)
         self.store.set(key, json.dumps(sorted(self.dead)))
+        announce(self.store)
 
     # -- the Supervisor's recovery, per node
 
@@ -326,6 +347,7 @@ class NodeAgent(Supervisor):
     def _abort(self, ranks: list[int], hang: bool) -> None:
         reason = json.dumps({"failed": ranks, "node": self.slot, "hang": hang})
         self.store.compare_set(f"{contract.ABORT_KEY}-{self.generation}", "", reason)
+        announce(self.store)
 
     def kill_node(self, node: int) -> None:
         """A kill-node fault for this node: it dies as a machine does, agent, ranks,
@@ -356,6 +378,8 @@ class NodeAgent(Supervisor):
 
     def _stop_beating(self) -> None:
         self.stopped.set()
+        if self.news is not None:
+            self.news.stop(self.store)
         if self.beater is not None:
             self.beater.join()
         if self.answerer is not None and self.answerer.is_alive():

@@ -40,14 +40,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
-from unbroken.run import contract
+from unbroken.run import contract, listen
+from unbroken.run.listen import LOOPBACK
+from unbroken.run.news import Listener, announce
 
 POLL_S = 0.02
+LOOK_S = 0.5  # at most this long between two looks at the store when nothing is announced
 NODE_TIMEOUT_S = 2.0
 SUSPECT_TIMEOUT_S = 0.2
 
@@ -76,9 +79,24 @@ class Coordinator:
         self.beats: dict[str, tuple[int, float]] = {}  # agent -> (counter, when it moved)
         self.aborted = False
         self.suspected: float | None = None  # when a worker of this generation reported
+        # Between announcements (`unbroken.run.news`), look at the slots only every
+        # look_s: a silent node is then found within node_timeout + look_s.
+        self.news: Listener | None = None
+        self.look_s = min(LOOK_S, node_timeout / 4)
+        self.looked = -math.inf
 
     def poll(self) -> bool:
-        """One look; False once every node reported its ranks done."""
+        """Look at the store if something was announced, a start or a recovery is under
+        way, or `look_s` passed; False once every node reported its ranks done."""
+        now = time.monotonic()
+        busy = not self.started or self.aborted or self.suspected is not None
+        changed = self.news is not None and self.news.take()
+        if not (changed or busy or now - self.looked >= self.look_s):
+            return True
+        self.looked = now
+        return self._look()
+
+    def _look(self) -> bool:
         if not self.nnodes:
             if not self.store.check([contract.JOB_KEY]):
                 return True
@@ -94,6 +112,7 @@ class Coordinator:
         if not self.started:
             if len(owners) == self.nnodes:
                 self._start(owners, {})
+                announce(self.store)
             return True
         if not self.aborted:
             self.aborted = self.store.check([self._abort_key()])
@@ -154,6 +173,7 @@ class Coordinator:
             failed = list(range(slot * self.local, (slot + 1) * self.local))
             reason = {"failed": failed, "node": slot, "hang": False}
             self.store.compare_set(self._abort_key(), "", json.dumps(reason))
+        announce(self.store)
 
     def _settled(self, owners: dict[int, str]) -> bool:
         keys = [
@@ -185,6 +205,7 @@ class Coordinator:
         self._start(owners, lost)
         new = sorted(s for s, a in owners.items() if s not in lost)
         self.store.add(contract.GENERATION_KEY, 1)
+        announce(self.store)
         log(
             f"generation {self.generation}: ranks {sorted(r for v in lost.values() for r in v)} "
             f"restarted on their nodes, node(s) {new} joined"
@@ -200,16 +221,17 @@ def ping(store: Any, agent: str) -> None:
 def serve(
     host: str, port: int, node_timeout: float, suspect_timeout: float, exit_when_done: bool
 ) -> int:
-    import torch.distributed as dist
 
-    store = dist.TCPStore(
-        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
+    store = listen.store(host, port)
     store.add(contract.GENERATION_KEY, 0)
     print(f"unbroken coordinator: listening on {host}:{store.port}", flush=True)
     coordinator = Coordinator(store, node_timeout, suspect_timeout)
-    while coordinator.poll() or not exit_when_done:
-        time.sleep(POLL_S)
+    coordinator.news = Listener(LOOPBACK if host in ("0.0.0.0", "::") else host, store.port)
+    try:
+        while coordinator.poll() or not exit_when_done:
+            time.sleep(POLL_S)
+    finally:
+        coordinator.news.stop(store)
     return 0
 
 
@@ -220,7 +242,12 @@ def main(argv: list[str]) -> int:
         "where no training node's loss takes it away (a Kubernetes Deployment), and point "
         "every node's --rdzv-endpoint at it.",
     )
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    p.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="the one address to listen on (default: all); let only the job's nodes reach "
+        "it (docs/kubernetes.md)",
+    )
     p.add_argument("--port", type=int, default=29400, help="TCP port (0: any free one)")
     p.add_argument(
         "--node-timeout",

@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 
 from unbroken import abort
 from unbroken.run import contract, worker
+from unbroken.run.news import announce
 
 T = TypeVar("T")
 
@@ -146,6 +147,7 @@ def _report(store: Any, generation: int, rank: int) -> None:
     timeout (`unbroken.run.coordinator`); the one-machine supervisor sees exits itself."""
     with contextlib.suppress(Exception):
         store.append(f"{contract.SUSPECT_KEY}-{generation}", f"{rank},")
+        announce(store)
 
 
 def _join(store: Any, generation: int, rank: int, world: int, timeout_s: float) -> None:

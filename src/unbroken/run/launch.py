@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.run import contract
+from unbroken.run import contract, listen
 from unbroken.run.args import RunOptions
 from unbroken.run.nodes import NodeMemory
 from unbroken.run.procs import kill_tree
@@ -125,10 +125,8 @@ class RestartAll:
             agent.start()
 
     def _node_agents(self, base: list[str], nodes: int) -> list[Agent]:
-        import torch.distributed as dist
-
         # The launcher hosts the rendezvous store: it must outlive any node.
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = listen.store(timeout=300)
         job = f"unbroken-sim-{uuid.uuid4().hex[:8]}"
         self.memory = NodeMemory(job)
         agents = []

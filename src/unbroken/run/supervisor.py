@@ -38,10 +38,9 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
-from unbroken.run import contract
+from unbroken.run import contract, listen
 from unbroken.run.args import RunOptions
 from unbroken.run.nodes import NodeMemory
 from unbroken.run.procs import kill_tree
@@ -163,11 +162,7 @@ class Supervisor:
         )
 
     def start(self) -> None:
-        import torch.distributed as dist
-
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-        )
+        self.store = listen.store()  # loopback only: the job's processes are all here
         self.store.add(contract.GENERATION_KEY, 0)
         if self.opts.ours.simulate_nodes is not None:
             self.memory = NodeMemory(f"unbroken-sim-{uuid.uuid4().hex[:8]}")

@@ -1,0 +1,67 @@
+"""Waiting for changes in the coordinator's store instead of polling it.
+
+Every write that someone else must act on (an abort, a new generation, a worker's
+report of a lost peer, a freed or claimed node slot, a node's ranks settled or done) is
+followed by `announce`: one counter bump and one key. A `Listener` thread blocks in the
+store's ``wait`` on the next announcement's key and raises a flag when it comes, so a
+reader looks at the store at once after a change and otherwise only every few hundred
+milliseconds (a safety net: a change nobody announced is still seen). The store's load
+at idle then grows with nodes / look interval, not nodes / poll interval, while a change
+still reaches every reader in one round trip (docs/scaling.md, "Finding a lost node").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from datetime import timedelta
+from typing import Any
+
+NEWS_KEY = "unbroken/news"  # a counter; -<n>: set once the n-th change is written
+
+
+def announce(store: Any) -> None:
+    """Wake every listener: call after the write it must see. Never raises (a store
+    that is gone is found by the caller's next request)."""
+    with contextlib.suppress(Exception):
+        store.set(f"{NEWS_KEY}-{int(store.add(NEWS_KEY, 1))}", "")
+
+
+class Listener:
+    """A thread on its own connection to ``host:port`` that sets `changed` at each
+    announcement made after the constructor returns (a look at the store after that
+    misses nothing). `take` returns and clears the flag."""
+
+    def __init__(self, host: str, port: int) -> None:
+        import torch.distributed as dist
+
+        self.changed = threading.Event()
+        self.stopped = False
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
+        seen = int(store.add(NEWS_KEY, 0))
+        self._thread = threading.Thread(target=self._run, args=(store, seen), name="unbroken-news")
+        self._thread.start()
+
+    def take(self) -> bool:
+        if not self.changed.is_set():
+            return False
+        self.changed.clear()
+        return True
+
+    def stop(self, store: Any) -> None:
+        """End the thread: it is woken by an announcement through ``store`` (another
+        connection). It must end before the process does: a thread blocked in the
+        store's C++ wait at interpreter exit aborts the process."""
+        self.stopped = True
+        if self._thread.is_alive():
+            announce(store)
+            self._thread.join(timeout=5.0)
+
+    def _run(self, store: Any, seen: int) -> None:
+        try:
+            while not self.stopped:
+                store.wait([f"{NEWS_KEY}-{seen + 1}"], timedelta(days=1))
+                seen = max(seen + 1, int(store.add(NEWS_KEY, 0)))
+                self.changed.set()
+        except Exception:
+            self.changed.set()  # the store is gone: let the reader look and find out
