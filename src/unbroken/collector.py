@@ -31,6 +31,7 @@ from unbroken.directory import Directory
 from unbroken.errors import CheckpointError
 from unbroken.format import step_dir
 from unbroken.retention import Info, KeepAny, KeepBest, KeepPerWindow, Retention, doomed
+from unbroken.run import faults
 from unbroken.sources import StorageSource
 
 log = logging.getLogger("unbroken")
@@ -62,6 +63,7 @@ class Collector:
         """The one listing: known steps, and the leftovers of earlier crashed saves."""
         for name in self.directory.leftovers():
             log.info("%s: removing %s, left by a save that did not commit", self.directory, name)
+            faults.point("leftover-clear")
             self.directory.storage.delete(name)
         steps = self.directory.steps()
         infos = {s: Info(s) for s in steps}

@@ -40,6 +40,7 @@ from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
 from unbroken.format import checksum, dtype_name, torch_dtype, verify_block
 from unbroken.records import Record
+from unbroken.run import faults
 from unbroken.shards import byte_view
 from unbroken.sources import Origin, Restored
 from unbroken.state import capture, decode, is_stateful
@@ -108,6 +109,7 @@ def heal(comm: Comm, job: str, state: MutableMapping[str, Any]) -> tuple[Restore
         f"checking the heal of step {chosen.step}",
         lambda: _targets(state, meta, record) if comm.rank in chosen.source else {},
     )
+    faults.point("heal")
     comm.together(f"healing step {chosen.step}", lambda: _receive(comm, chosen, state, targets))
     comm.together(f"loading healed step {chosen.step}", lambda: _load(state, meta, record, targets))
     origins = tuple(

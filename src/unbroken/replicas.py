@@ -16,6 +16,7 @@ import torch.distributed as dist
 from unbroken.dist import Comm
 from unbroken.format import Chunk, Manifest
 from unbroken.memory import MemoryTier
+from unbroken.run import faults
 
 
 def replicate(comm: Comm, memory: MemoryTier, step: int, to: list[int], sources: list[int]) -> None:
@@ -36,8 +37,10 @@ def replicate(comm: Comm, memory: MemoryTier, step: int, to: list[int], sources:
         arriving.append((slots, slot, got_header))
     try:
         wait(_start(ops))
+        faults.point("replica-transfer")
         for slots, slot, got_header in arriving:
             slots.publish(slot, got_header.numpy().tobytes().decode())
+        faults.point("replica-published")
     finally:
         for slots, slot, _ in arriving:
             slots.release(slot)

@@ -26,7 +26,7 @@ from unbroken.errors import CheckpointError
 from unbroken.format import Manifest, block_checksums, dtype_name, step_dir
 from unbroken.plan import Block, WritePlan, make_plan
 from unbroken.retention import Info
-from unbroken.run import worker
+from unbroken.run import faults, worker
 from unbroken.shards import byte_view, local_block, write_blocks
 from unbroken.staging import Arena
 from unbroken.state import capture
@@ -69,6 +69,7 @@ def stage(step: int, state: Mapping[str, Any], arena: Arena | None) -> Staged:
     """Capture ``state``; with an ``arena``, copy its tensors there so the caller may change
     them as soon as this returns. Without one, the blocks are the live (CPU) tensors."""
     tensors, tree = capture(state)
+    faults.point("stage")
     keys, blocks, offsets, shapes = [], [], [], []
     aliases: dict[str, str] = {}
     first: dict[tuple[Any, ...], str] = {}
@@ -147,9 +148,11 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
             ctx.directory.storage, step_dir(step), comm.rank, to_write, ctx.io_threads
         ),
     )
+    faults.point("data-written")
     gathered = comm.all_gather([locations, sizes, staged.tree])
     info = Info(step, time.time(), staged.metric)
     comm.together(f"committing step {step}", lambda: _commit(ctx, info, plan, gathered))
+    faults.point("committed")
     if comm.rank == 0:
         ctx.collector.committed(info)  # retention runs on the collector's thread
         try:

@@ -31,6 +31,7 @@ from unbroken import replicas
 from unbroken.background import SaveThread, wait_for
 from unbroken.dist import Comm
 from unbroken.memory import OWN_SLOTS, Block, Copied, MemoryTier, copy, seal
+from unbroken.run import faults
 from unbroken.shards import local_block
 from unbroken.state import capture
 
@@ -79,6 +80,7 @@ class Snapshots:
             wait_for([self._holding.pop(0)], f"snapshot of step {step}: waiting for a slot")
         blocks, tree = blocks_of(state)
         copied = copy(self.memory, step, blocks, self._cache)
+        faults.point("snapshot-copy")
         sealed: Future[None] = Future()
         self._sealer.submit(self._seal, copied, tree, sealed)
         last = self._worker.submit(self._replicate, copied, sealed) if self.replicated else sealed
@@ -90,6 +92,7 @@ class Snapshots:
         holds the newest step."""
         error: BaseException | None = None
         try:
+            faults.point("snapshot-seal")
             seal(self.memory, copied, tree)
         except BaseException as e:
             self._failed(copied.step, e)

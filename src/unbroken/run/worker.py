@@ -65,7 +65,9 @@ class LaunchContext:
         self.dir = env.get(contract.HEARTBEAT_DIR_ENV) or None
         faults = parse(env.get(contract.FAULT_ENV, ""))
         # Faults fire on the first attempt only: the restarted workers must get through.
-        self.faults = [f for f in faults if self._mine(f)] if self.attempt == 0 else []
+        # Crash faults fire at their crash points (`unbroken.run.faults.point`), not here.
+        mine = [f for f in faults if f.kind != "crash" and self._mine(f)]
+        self.faults = mine if self.attempt == 0 else []
         if self.dir is None and any(f.kind == "kill-node" for f in self.faults):
             raise RuntimeError(
                 f"{contract.FAULT_ENV} asks for kill-node, which only `unbroken run "
