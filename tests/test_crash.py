@@ -133,7 +133,8 @@ def _snapshot_until_killed(rank: int, world: int, root: str, spec: str, victim: 
 def _die_with(root: str, victim: int) -> None:
     while not os.path.exists(os.path.join(root, f"pid-{victim}")):
         time.sleep(0.01)
-    pid = int(open(os.path.join(root, f"pid-{victim}")).read())
+    with open(os.path.join(root, f"pid-{victim}")) as f:
+        pid = int(f.read())
     while os.path.exists(f"/proc/{pid}") and "Z" not in _proc_state(pid):
         time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -147,13 +148,18 @@ def _proc_state(pid: int) -> str:
         return "X"
 
 
+def _log(path: str) -> list[tuple[str, int]]:
+    with open(path) as f:
+        return [(kind, int(step)) for kind, step in (line.split() for line in f)]
+
+
 def _restore(rank: int, world: int, root: str) -> dict[str, Any]:
     os.environ["UNBROKEN_NODE"] = str(rank)
     ckpt = Checkpointer(
         os.path.join(root, "ckpt"), memory=True, replicas=1,
         memory_dir=os.path.join(root, f"node-{rank}"), job="j", timeout=60,
     )  # fmt: skip
-    state = {"w": torch.zeros(4096), "meta": {"step": -1}}
+    state: dict[str, Any] = {"w": torch.zeros(4096), "meta": {"step": -1}}
     step = ckpt.restore(state)
     ckpt.close()
     same = step is not None and torch.equal(state["w"], _value(rank, step))
@@ -162,16 +168,14 @@ def _restore(rank: int, world: int, root: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("point", MULTI_POINTS)
-def test_a_rank_killed_while_snapshotting_or_replicating_restores_a_complete_step(
-    tmp_path, point
-):
+def test_a_rank_killed_while_snapshotting_or_replicating_restores_a_complete_step(tmp_path, point):
     victim, hit = MULTI_POINTS.index(point) % 2, 2 + MULTI_POINTS.index(point) % 3
     root = str(tmp_path)
     spec = f"crash point={point} rank={victim} hit={hit}"
     run_ranks(_snapshot_until_killed, root, spec, victim, timeout=90, exits=(0, 1))
-    logs = [open(os.path.join(root, f"log-{r}")).read().split() for r in (0, 1)]
-    done = [int(s) for r in (0, 1) for kind, s in zip(logs[r][::2], logs[r][1::2]) if kind == "done"]
-    begun = [int(s) for kind, s in zip(logs[victim][::2], logs[victim][1::2]) if kind == "begin"]
+    logs = [_log(os.path.join(root, f"log-{r}")) for r in (0, 1)]
+    done = [step for log in logs for kind, step in log if kind == "done"]
+    begun = [step for kind, step in logs[victim] if kind == "begin"]
     floor, newest = max(done, default=None), max(begun)
     assert newest < 8, f"{spec} never fired"
     results = run_ranks(_restore, root, timeout=90)
