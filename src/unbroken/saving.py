@@ -10,12 +10,13 @@ Persisting is collective. Its phases, each ending with every rank agreeing:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -32,6 +33,7 @@ from unbroken.staging import Arena
 from unbroken.state import capture
 
 log = logging.getLogger("unbroken")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,14 +146,22 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
     to_write = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
     locations, sizes = comm.together(
         f"writing step {step}",
-        lambda: write_blocks(
-            ctx.directory.storage, step_dir(step), comm.rank, to_write, ctx.io_threads
+        lambda: explained(
+            ctx, f"writing step {step}",
+            lambda: write_blocks(
+                ctx.directory.storage, step_dir(step), comm.rank, to_write, ctx.io_threads
+            ),
         ),
-    )
+    )  # fmt: skip
     faults.point("data-written")
     gathered = comm.all_gather([locations, sizes, staged.tree])
     info = Info(step, time.time(), staged.metric)
-    comm.together(f"committing step {step}", lambda: _commit(ctx, info, plan, gathered))
+    comm.together(
+        f"committing step {step}",
+        lambda: explained(
+            ctx, f"committing step {step}", lambda: _commit(ctx, info, plan, gathered)
+        ),
+    )
     faults.point("committed")
     if comm.rank == 0:
         ctx.collector.committed(info)  # retention runs on the collector's thread
@@ -163,6 +173,30 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
         seconds = time.perf_counter() - started
         log.info("saved step %d: %.1f MiB in %.2f s", step, written / 2**20, seconds)
     return True
+
+
+# What to do about the storage errors a save meets most (tests/test_exhaustion.py).
+_ADVICE = {
+    errno.ENOSPC: "the file system is full: free space, or keep fewer checkpoints (keep=)",
+    errno.EDQUOT: "the disk quota is exceeded: free space, or keep fewer checkpoints (keep=)",
+    errno.EACCES: "this process may not write there: check the owner and mode of the path",
+    errno.EPERM: "this process may not write there: check the owner and mode of the path",
+    errno.EROFS: "the file system is read-only: save somewhere writable",
+}
+
+
+def explained(ctx: SaveContext, what: str, fn: Callable[[], T]) -> T:
+    """``fn()``, an `OSError` turned into a `CheckpointError` that names the checkpoint,
+    the step and the rank, and says what to do (the other ranks see this message)."""
+    try:
+        return fn()
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        advice = _ADVICE.get(e.errno or 0, "see the cause below")
+        raise CheckpointError(
+            f"{ctx.directory.path}: {what} failed on rank {ctx.comm.rank}{where}: "
+            f"{e.strerror or e}; {advice}"
+        ) from e
 
 
 def _remove_failed(ctx: SaveContext, step: int) -> None:
