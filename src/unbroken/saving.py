@@ -124,7 +124,10 @@ def persist(ctx: SaveContext, staged: Staged) -> bool:
 def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
     started = time.perf_counter()
     comm, step = ctx.comm, staged.step
-    blocks = comm.together(f"saving step {step}", lambda: _describe(ctx, staged))
+    blocks = comm.together(
+        f"saving step {step}",
+        lambda: explained(ctx, f"saving step {step}", lambda: _describe(ctx, staged)),
+    )
     rows = comm.all_gather([step, staged.skipped, [b.to_json() for b in blocks]])
     if skippers := [rank for rank, row in enumerate(rows) if row[1]]:
         if comm.rank == 0:
