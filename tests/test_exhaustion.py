@@ -61,7 +61,7 @@ def state(step: int, n: int = 1000) -> dict[str, Any]:
 
 
 def restored(path: str, n: int = 1000, **kwargs: Any) -> tuple[int | None, bool]:
-    fresh = {"w": torch.zeros(n), "meta": {}}
+    fresh: dict[str, Any] = {"w": torch.zeros(n), "meta": {}}
     step = Checkpointer(path, **kwargs).restore(fresh)
     same = step is not None and torch.equal(fresh["w"], state(step, n)["w"])
     return step, same and fresh["meta"] == {"step": step}
