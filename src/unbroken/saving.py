@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from unbroken import claims
 from unbroken.collector import INFO, Collector
 from unbroken.directory import Directory
 from unbroken.dist import Comm
@@ -46,6 +47,7 @@ class SaveContext:
     directory: Directory
     io_threads: int
     collector: Collector
+    job: str = ""  # names this job's claims on the steps it saves (`unbroken.claims`)
 
 
 @dataclass(kw_only=True)
@@ -250,6 +252,7 @@ def _commit(ctx: SaveContext, info: Info, plan: WritePlan, gathered: list[Any]) 
     if ctx.comm.rank != 0:
         return
     step = info.step
+    claims.verify(ctx.directory.storage, ctx.directory.path, step)
     ctx.directory.storage.write(
         f"{step_dir(step)}/{INFO}",
         [json.dumps({"created": info.created, "metric": info.metric}).encode()],
@@ -306,3 +309,6 @@ def _clear(ctx: SaveContext, step: int, base: int | None) -> None:
             f"that rolls back restores the step it goes back to first (restore(state, "
             f"step=...)), and its next save then retires the steps above it"
         )
+    claims.stake(ctx.directory.storage, where, step, ctx.job)  # before any rank writes
+    if ctx.directory.is_committed(step):  # committed by a writer whose claim was stale
+        raise CheckpointError(f"{where}: step {step} was committed by another writer meanwhile")
