@@ -24,7 +24,7 @@ from unbroken import claims
 from unbroken.collector import INFO, Collector
 from unbroken.directory import Directory
 from unbroken.dist import Comm
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, StorageError
 from unbroken.format import Manifest, block_checksums, dtype_name, step_dir
 from unbroken.plan import Block, WritePlan, make_plan
 from unbroken.retention import Info
@@ -191,17 +191,18 @@ _ADVICE = {
 
 
 def explained(ctx: SaveContext, what: str, fn: Callable[[], T]) -> T:
-    """``fn()``, an `OSError` turned into a `CheckpointError` that names the checkpoint,
-    the step and the rank, and says what to do (the other ranks see this message)."""
+    """``fn()``, an `OSError` turned into a `StorageError` that names the checkpoint, the
+    step and the rank, and says what to do (the other ranks see this message)."""
     try:
         return fn()
     except OSError as e:
-        where = f" ({e.filename})" if e.filename else ""
+        if isinstance(e, StorageError):
+            raise
+        where = f", {e.filename}" if e.filename else ""
         advice = _ADVICE.get(e.errno or 0, "see the cause below")
-        raise CheckpointError(
-            f"{ctx.directory.path}: {what} failed on rank {ctx.comm.rank}{where}: "
-            f"{e.strerror or e}; {advice}"
-        ) from e
+        text = f"{e.strerror or e} ({ctx.directory.path}: {what} on rank {ctx.comm.rank}{where})"
+        args = (e.errno, f"{text}; {advice}") if e.errno else (f"{text}; {advice}",)
+        raise StorageError(*args) from e
 
 
 def _remove_failed(ctx: SaveContext, step: int) -> None:
