@@ -8,6 +8,7 @@ S3); CI runs the default."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from ranks import run_ranks
+from ranks import _worker, free_port, run_ranks
 from unbroken import Checkpointer
 from unbroken.run import faults
 
@@ -148,6 +149,28 @@ def _proc_state(pid: int) -> str:
         return "X"
 
 
+def _killed_ranks(fn: Any, *args: Any, world: int = 2, timeout: float = 90) -> list[int | None]:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks that are all expected to be
+    killed (`run_ranks` returns at once when every rank is expected to exit); their exit
+    codes, once every rank has ended or ``timeout`` has passed (then killed: None)."""
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return codes
+
+
 def _log(path: str) -> list[tuple[str, int]]:
     with open(path) as f:
         return [(kind, int(step)) for kind, step in (line.split() for line in f)]
@@ -172,7 +195,8 @@ def test_a_rank_killed_while_snapshotting_or_replicating_restores_a_complete_ste
     victim, hit = MULTI_POINTS.index(point) % 2, 2 + MULTI_POINTS.index(point) % 3
     root = str(tmp_path)
     spec = f"crash point={point} rank={victim} hit={hit}"
-    run_ranks(_snapshot_until_killed, root, spec, victim, timeout=90, exits=(0, 1))
+    codes = _killed_ranks(_snapshot_until_killed, root, spec, victim)
+    assert codes == [-signal.SIGKILL] * 2, f"{spec}: exit codes {codes}"
     logs = [_log(os.path.join(root, f"log-{r}")) for r in (0, 1)]
     done = [step for log in logs for kind, step in log if kind == "done"]
     begun = [step for kind, step in logs[victim] if kind == "begin"]

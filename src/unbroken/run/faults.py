@@ -165,9 +165,12 @@ def _arm_from_env() -> None:
     arm(os.environ.get(contract.FAULT_ENV, "") if first else "")
 
 
-def _crash(name: str, hit: int) -> None:
-    from unbroken.run import worker  # imports this module: only needed when firing
+# Called before a crash point kills: `unbroken.run.worker` records the event here (it
+# imports this module, so this one cannot import it).
+BEFORE_CRASH: list[Callable[[str, int], None]] = []
 
-    worker.event("fault", kind="crash", point=name, hit=hit)
-    worker.flush()
+
+def _crash(name: str, hit: int) -> None:
+    for hook in BEFORE_CRASH:
+        hook(name, hit)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from unbroken.run import contract
+from unbroken.run import contract, faults
 from unbroken.run.faults import Fault, parse
 
 HEARTBEAT_INTERVAL_S = 0.2
@@ -248,6 +248,14 @@ def event(name: str, **fields: Any) -> None:
     ``seconds``: how long the pipeline took to deliver its first batch) marks the end of
     the data pipeline's warm-up, which `unbroken goodput` counts as badput."""
     current().event(name, **fields)
+
+
+def _before_crash(point: str, hit: int) -> None:
+    event("fault", kind="crash", point=point, hit=hit)
+    flush()
+
+
+faults.BEFORE_CRASH.append(_before_crash)  # a crash point records the fault, then kills
 
 
 def flush() -> None:
