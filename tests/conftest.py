@@ -13,6 +13,21 @@ from ranks import free_port
 from servers.rgw import RGW, RGWUnavailable, start_rgw
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--trials",
+        type=int,
+        default=210,
+        help="crash-consistency trials in all (tests/test_crash.py); more on demand",
+    )
+
+
+@pytest.fixture(scope="session")
+def trials(request: pytest.FixtureRequest) -> int:
+    """How many crash trials to run in all (``--trials N``; CI runs the default)."""
+    return int(request.config.getoption("--trials"))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _run_dirs_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
     """`unbroken run` keeps every launch's events under $XDG_STATE_HOME: the suite's stay

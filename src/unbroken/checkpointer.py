@@ -215,7 +215,7 @@ class Checkpointer:
         try:
             context = saving.SaveContext(
                 comm=self._comm, directory=self._directory, io_threads=self.io_threads,
-                collector=self._collector,
+                collector=self._collector, job=self._job,
             )  # fmt: skip
             return saving.persist(context, staged)
         except BaseException as e:

@@ -27,10 +27,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+from unbroken import claims
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError
 from unbroken.format import step_dir
 from unbroken.retention import Info, KeepAny, KeepBest, KeepPerWindow, Retention, doomed
+from unbroken.run import faults
 from unbroken.sources import StorageSource
 
 log = logging.getLogger("unbroken")
@@ -61,7 +63,11 @@ class Collector:
     def _open(self) -> None:
         """The one listing: known steps, and the leftovers of earlier crashed saves."""
         for name in self.directory.leftovers():
+            if (claim := claims.read(self.directory.storage, name)) and claim.live(None):
+                log.warning("%s: not removing %s: %s may be saving it", self.directory, name, claim)
+                continue
             log.info("%s: removing %s, left by a save that did not commit", self.directory, name)
+            faults.point("leftover-clear")
             self.directory.storage.delete(name)
         steps = self.directory.steps()
         infos = {s: Info(s) for s in steps}

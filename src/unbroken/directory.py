@@ -13,6 +13,7 @@ import json
 
 from unbroken.errors import CheckpointError
 from unbroken.format import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
+from unbroken.run import faults
 from unbroken.storage import Storage
 
 
@@ -71,11 +72,14 @@ class Directory:
         return steps[-1] if steps else None
 
     def leftovers(self) -> list[str]:
-        """Step directories without a manifest: what failed or crashed saves left."""
+        """Step directories without a manifest, and temporary copies of the ``latest``
+        pointer: what failed or crashed saves left (a process killed while replacing the
+        pointer leaves its temporary file; tests/test_crash.py found them piling up)."""
         return [
             name
             for name in self.storage.list("")
-            if parse_step_dir(name) is not None and not self._committed(name)
+            if (parse_step_dir(name) is not None and not self._committed(name))
+            or (name.startswith(f"{LATEST}.") and name.endswith(".tmp"))
         ]
 
     # -- writing -----------------------------------------------------------------------
@@ -83,6 +87,7 @@ class Directory:
     def commit(self, manifest: Manifest) -> None:
         """Write ``manifest`` atomically: from now on its step exists. Never replaces a
         step another writer committed meanwhile."""
+        faults.point("manifest-commit")
         try:
             self.storage.commit(f"{step_dir(manifest.step)}/{MANIFEST}", manifest.to_json())
         except FileExistsError:
@@ -93,6 +98,7 @@ class Directory:
     def move_latest(self, step: int) -> None:
         """Point ``latest`` at ``step`` (committed). Readers fall back to listing if this
         fails, so a caller may treat a failure as a warning."""
+        faults.point("latest-pointer")
         self.storage.replace(LATEST, json.dumps({"step": step}).encode())
 
     def clear_leftovers(self) -> None:
@@ -104,6 +110,7 @@ class Directory:
     def delete(self, step: int) -> None:
         # Manifest first: from that moment no reader sees a half-deleted checkpoint.
         self.storage.delete(f"{step_dir(step)}/{MANIFEST}")
+        faults.point("retention-gc")
         self.storage.delete(step_dir(step))
 
     def _committed(self, folder: str) -> bool:

@@ -7,3 +7,9 @@ class CheckpointError(Exception):
 
 class CorruptCheckpointError(CheckpointError):
     """Bytes on storage do not match the manifest: truncated file, bad checksum, bad header."""
+
+
+class StorageError(CheckpointError, OSError):
+    """Storage refused what a save asked of it (full, not permitted, read-only...): the
+    message names the checkpoint, the step and the rank, and says what to do. An
+    `OSError` too, with the system's ``errno``, for callers that catch those."""

@@ -46,6 +46,7 @@ from unbroken.format import checksum, dtype_name, torch_dtype, verify_block
 from unbroken.peers import local, shard_peers, sharded
 from unbroken.records import Record
 from unbroken.restoring import _init_state
+from unbroken.run import faults
 from unbroken.shards import byte_view
 from unbroken.sources import Origin, Restored
 from unbroken.state import capture, decode, is_stateful
@@ -130,6 +131,7 @@ def heal(comm: Comm, job: str, state: MutableMapping[str, Any]) -> tuple[Restore
         f"checking the heal of step {chosen.step}",
         lambda: _targets(state, meta, record) if comm.rank in chosen.source else {},
     )
+    faults.point("heal")
     comm.together(f"healing step {chosen.step}", lambda: _receive(comm, chosen, state, targets))
     comm.together(f"loading healed step {chosen.step}", lambda: _load(state, meta, record, targets))
     origins = tuple(

@@ -93,6 +93,11 @@ class Slots:
             path = self._path(slot, "bin")
             with open(path, "ab") as f:
                 f.truncate(max(nbytes, 1))
+                try:  # a full tmpfs: ENOSPC here, not SIGBUS on the copy (test_exhaustion)
+                    os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
+                except OSError:
+                    self.release(slot)
+                    raise
             current = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
             self._buffers[slot] = current
         return slot, current

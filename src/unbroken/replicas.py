@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 
 from unbroken.dist import Comm
+from unbroken.errors import CheckpointError
 from unbroken.format import Chunk, Manifest
 from unbroken.memory import MemoryTier
+from unbroken.run import faults
 
 
 def replicate(comm: Comm, memory: MemoryTier, step: int, to: list[int], sources: list[int]) -> None:
@@ -28,16 +30,28 @@ def replicate(comm: Comm, memory: MemoryTier, step: int, to: list[int], sources:
     ops, arriving = [], []
     for peer in to:
         ops += [_op(dist.isend, header, peer, comm), _op(dist.isend, data, peer, comm)]
-    for owner in sources:
-        slots = memory.replica(owner)
-        got_header = torch.empty(sizes[owner][0], dtype=torch.uint8)
-        slot, buffer = slots.begin(sizes[owner][1])
-        ops += [_op(dist.irecv, got_header, owner, comm), _op(dist.irecv, buffer, owner, comm)]
-        arriving.append((slots, slot, got_header))
+
+    def make_room() -> None:  # a rank that has none fails them all: nobody waits to send
+        for owner in sources:
+            slots = memory.replica(owner)
+            try:
+                slot, buffer = slots.begin(sizes[owner][1])
+            except OSError as e:
+                raise CheckpointError(
+                    f"{slots.dir}: no room for rank {owner}'s replica of step {step} "
+                    f"({sizes[owner][1]} bytes): {e.strerror or e}; give the shared-memory "
+                    "file system more room (docker --shm-size, a larger /dev/shm)"
+                ) from e
+            arriving.append((slots, slot, torch.empty(sizes[owner][0], dtype=torch.uint8)))
+            ops.extend(_op(dist.irecv, t, owner, comm) for t in (arriving[-1][2], buffer))
+
     try:
+        comm.together(f"making room for the replicas of step {step}", make_room)
         wait(_start(ops))
+        faults.point("replica-transfer")
         for slots, slot, got_header in arriving:
             slots.publish(slot, got_header.numpy().tobytes().decode())
+        faults.point("replica-published")
     finally:
         for slots, slot, _ in arriving:
             slots.release(slot)

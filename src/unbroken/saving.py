@@ -10,29 +10,32 @@ Persisting is collective. Its phases, each ending with every rank agreeing:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from unbroken import claims
 from unbroken.blockio import run_all
 from unbroken.collector import INFO, Collector
 from unbroken.directory import Directory
 from unbroken.dist import Comm
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, StorageError
 from unbroken.format import Manifest, block_checksums, dtype_name, step_dir
 from unbroken.plan import Block, WritePlan, make_plan
 from unbroken.retention import Info
-from unbroken.run import worker
+from unbroken.run import faults, worker
 from unbroken.shards import byte_view, local_block, write_blocks
 from unbroken.staging import Arena
 from unbroken.state import capture
 
 log = logging.getLogger("unbroken")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +48,7 @@ class SaveContext:
     directory: Directory
     io_threads: int
     collector: Collector
+    job: str = ""  # names this job's claims on the steps it saves (`unbroken.claims`)
 
 
 @dataclass(kw_only=True)
@@ -70,6 +74,7 @@ def stage(step: int, state: Mapping[str, Any], arena: Arena | None) -> Staged:
     """Capture ``state``; with an ``arena``, copy its tensors there so the caller may change
     them as soon as this returns. Without one, the blocks are the live (CPU) tensors."""
     tensors, tree = capture(state)
+    faults.point("stage")
     keys, blocks, offsets, shapes = [], [], [], []
     aliases: dict[str, str] = {}
     first: dict[tuple[Any, ...], str] = {}
@@ -122,7 +127,10 @@ def persist(ctx: SaveContext, staged: Staged) -> bool:
 def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
     started = time.perf_counter()
     comm, step = ctx.comm, staged.step
-    blocks = comm.together(f"saving step {step}", lambda: _describe(ctx, staged))
+    blocks = comm.together(
+        f"saving step {step}",
+        lambda: explained(ctx, f"saving step {step}", lambda: _describe(ctx, staged)),
+    )
     rows = comm.all_gather([step, staged.skipped, [b.to_json() for b in blocks]])
     if skippers := [rank for rank, row in enumerate(rows) if row[1]]:
         if comm.rank == 0:
@@ -144,13 +152,23 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
     to_write = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
     locations, sizes = comm.together(
         f"writing step {step}",
-        lambda: write_blocks(
-            ctx.directory.storage, step_dir(step), comm.rank, to_write, ctx.io_threads
+        lambda: explained(
+            ctx, f"writing step {step}",
+            lambda: write_blocks(
+                ctx.directory.storage, step_dir(step), comm.rank, to_write, ctx.io_threads
+            ),
         ),
-    )
+    )  # fmt: skip
+    faults.point("data-written")
     gathered = comm.all_gather([locations, sizes, staged.tree])
     info = Info(step, time.time(), staged.metric)
-    comm.together(f"committing step {step}", lambda: _commit(ctx, info, plan, gathered))
+    comm.together(
+        f"committing step {step}",
+        lambda: explained(
+            ctx, f"committing step {step}", lambda: _commit(ctx, info, plan, gathered)
+        ),
+    )
+    faults.point("committed")
     if comm.rank == 0:
         ctx.collector.committed(info)  # retention runs on the collector's thread
         try:
@@ -161,6 +179,31 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
         seconds = time.perf_counter() - started
         log.info("saved step %d: %.1f MiB in %.2f s", step, written / 2**20, seconds)
     return True
+
+
+# What to do about the storage errors a save meets most (tests/test_exhaustion.py).
+_ADVICE = {
+    errno.ENOSPC: "the file system is full: free space, or keep fewer checkpoints (keep=)",
+    errno.EDQUOT: "the disk quota is exceeded: free space, or keep fewer checkpoints (keep=)",
+    errno.EACCES: "this process may not write there: check the owner and mode of the path",
+    errno.EPERM: "this process may not write there: check the owner and mode of the path",
+    errno.EROFS: "the file system is read-only: save somewhere writable",
+}
+
+
+def explained(ctx: SaveContext, what: str, fn: Callable[[], T]) -> T:
+    """``fn()``, an `OSError` turned into a `StorageError` that names the checkpoint, the
+    step and the rank, and says what to do (the other ranks see this message)."""
+    try:
+        return fn()
+    except OSError as e:
+        if isinstance(e, StorageError):
+            raise
+        where = f", {e.filename}" if e.filename else ""
+        advice = _ADVICE.get(e.errno or 0, "see the cause below")
+        text = f"{e.strerror or e} ({ctx.directory.path}: {what} on rank {ctx.comm.rank}{where})"
+        args = (e.errno, f"{text}; {advice}") if e.errno else (f"{text}; {advice}",)
+        raise StorageError(*args) from e
 
 
 def _remove_failed(ctx: SaveContext, step: int) -> None:
@@ -219,6 +262,7 @@ def _commit(ctx: SaveContext, info: Info, plan: WritePlan, gathered: list[Any]) 
     if ctx.comm.rank != 0:
         return
     step = info.step
+    claims.verify(ctx.directory.storage, ctx.directory.path, step)
     ctx.directory.storage.write(
         f"{step_dir(step)}/{INFO}",
         [json.dumps({"created": info.created, "metric": info.metric}).encode()],
@@ -275,3 +319,6 @@ def _clear(ctx: SaveContext, step: int, base: int | None) -> None:
             f"that rolls back restores the step it goes back to first (restore(state, "
             f"step=...)), and its next save then retires the steps above it"
         )
+    claims.stake(ctx.directory.storage, where, step, ctx.job)  # before any rank writes
+    if ctx.directory.is_committed(step):  # committed by a writer whose claim was stale
+        raise CheckpointError(f"{where}: step {step} was committed by another writer meanwhile")

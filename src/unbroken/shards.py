@@ -21,6 +21,7 @@ from unbroken.blockio import byte_view, read_into, verify_chunk
 from unbroken.coalesce import Extent, fetch
 from unbroken.errors import CheckpointError
 from unbroken.format import Chunk, TensorEntry, safetensors_header, shard_file, verify_block
+from unbroken.run import faults
 from unbroken.storage import Storage
 
 # A rank's data is split into files of about this size, written by parallel threads.
@@ -80,6 +81,7 @@ def write_blocks(
         for key, t in content:
             where[key] = (name, pos, pos + t.nbytes)
             pos += t.nbytes
+        faults.point("data-write")
         storage.write(f"{folder}/{name}", [header, *(byte_view(t) for _, t in content)])
         return name, where, pos
 

@@ -30,7 +30,9 @@ from typing import Any
 from unbroken import replicas
 from unbroken.background import SaveThread, wait_for
 from unbroken.dist import Comm
+from unbroken.errors import CheckpointError
 from unbroken.memory import OWN_SLOTS, Block, Copied, MemoryTier, copy, seal
+from unbroken.run import faults
 from unbroken.shards import local_block
 from unbroken.state import capture
 
@@ -78,7 +80,16 @@ class Snapshots:
         while len(self._holding) > OWN_SLOTS - 2:
             wait_for([self._holding.pop(0)], f"snapshot of step {step}: waiting for a slot")
         blocks, tree = blocks_of(state)
-        copied = copy(self.memory, step, blocks, self._cache)
+        try:
+            copied = copy(self.memory, step, blocks, self._cache)
+        except OSError as e:  # the snapshot before is untouched: it stays the newest
+            need = sum(t.nbytes for _, t, _, _ in blocks)
+            raise CheckpointError(
+                f"{self.memory.dir}: no room for the snapshot of step {step} ({need} bytes): "
+                f"{e.strerror or e}; give the shared-memory file system more room (docker "
+                f"--shm-size, a larger /dev/shm or memory_dir), or snapshot less often"
+            ) from e
+        faults.point("snapshot-copy")
         sealed: Future[None] = Future()
         self._sealer.submit(self._seal, copied, tree, sealed)
         last = self._worker.submit(self._replicate, copied, sealed) if self.replicated else sealed
@@ -90,6 +101,7 @@ class Snapshots:
         holds the newest step."""
         error: BaseException | None = None
         try:
+            faults.point("snapshot-seal")
             seal(self.memory, copied, tree)
         except BaseException as e:
             self._failed(copied.step, e)

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from unbroken.run import contract
+from unbroken.run import contract, faults
 from unbroken.run.faults import Fault, parse
 
 HEARTBEAT_INTERVAL_S = 0.2
@@ -65,7 +65,9 @@ class LaunchContext:
         self.dir = env.get(contract.HEARTBEAT_DIR_ENV) or None
         faults = parse(env.get(contract.FAULT_ENV, ""))
         # Faults fire on the first attempt only: the restarted workers must get through.
-        self.faults = [f for f in faults if self._mine(f)] if self.attempt == 0 else []
+        # Crash faults fire at their crash points (`unbroken.run.faults.point`), not here.
+        mine = [f for f in faults if f.kind != "crash" and self._mine(f)]
+        self.faults = mine if self.attempt == 0 else []
         if self.dir is None and any(f.kind == "kill-node" for f in self.faults):
             raise RuntimeError(
                 f"{contract.FAULT_ENV} asks for kill-node, which only `unbroken run "
@@ -246,6 +248,14 @@ def event(name: str, **fields: Any) -> None:
     ``seconds``: how long the pipeline took to deliver its first batch) marks the end of
     the data pipeline's warm-up, which `unbroken goodput` counts as badput."""
     current().event(name, **fields)
+
+
+def _before_crash(point: str, hit: int) -> None:
+    event("fault", kind="crash", point=point, hit=hit)
+    flush()
+
+
+faults.BEFORE_CRASH.append(_before_crash)  # a crash point records the fault, then kills
 
 
 def flush() -> None:

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from unbroken.errors import CheckpointError
+from unbroken.run import faults
 
 
 class LocalStorage:
@@ -37,6 +38,7 @@ class LocalStorage:
                     n = os.write(fd, view[:_WRITEBACK_BYTES])
                     _start_writeback(fd, offset, n)
                     view, offset = view[n:], offset + n
+            faults.point("fsync")
             os.fsync(fd)
         finally:
             os.close(fd)
