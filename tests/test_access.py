@@ -50,7 +50,7 @@ def _created(base: Path) -> Iterator[tuple[str, int]]:
     """``(path, mode)`` of everything the job created under ``base`` (the node-wide
     shared-memory root, like /tmp, is world-writable and sticky on purpose)."""
     for top in ("ckpt", "shm/j", "events/run"):
-        for folder, dirs, files in os.walk(base / top):
+        for folder, _dirs, files in os.walk(base / top):
             yield folder, os.stat(folder).st_mode
             for name in files:
                 path = os.path.join(folder, name)
