@@ -54,6 +54,14 @@ class Access:
             raise
         return fd
 
+    def size(self, path: str, nbytes: int) -> None:
+        """Create ``path`` if missing, with this file mode, and make it ``nbytes`` long."""
+        fd = self.open(path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+
     def write_text(self, path: str, text: str) -> None:
         fd = self.open(path, os.O_WRONLY | os.O_TRUNC)
         with os.fdopen(fd, "w") as f:

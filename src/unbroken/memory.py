@@ -98,11 +98,7 @@ class Slots:
         current = self._buffers.get(slot)
         if current is None or current.numel() != max(nbytes, 1):
             path = self._path(slot, "bin")
-            fd = self.access.open(path, os.O_WRONLY)
-            try:
-                os.ftruncate(fd, max(nbytes, 1))
-            finally:
-                os.close(fd)
+            self.access.size(path, max(nbytes, 1))
             current = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
             self._buffers[slot] = current
         return slot, current
