@@ -45,7 +45,7 @@ def test_credentials_never_appear_in_reprs_errors_logs_or_the_checkpoint(bucket,
     texts.append(repr(ckpt))
     stored = [storage.read(f"step-000000001/{n}") for n in storage.list("step-000000001")]
     texts += [bytes(raw).decode("latin-1") for raw in stored]
-    failures = []
+    failures: list[BaseException] = []
     wrong_bucket = "s3://unbroken-no-such-bucket-7c1/x"
     dead_endpoint = options | {"endpoint": f"http://127.0.0.1:{free_port()}"}
     for where, opts in ((wrong_bucket, options), (uri, dead_endpoint)):
