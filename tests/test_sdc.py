@@ -6,6 +6,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -70,6 +72,11 @@ def test_one_rank_s_corrupted_parameter_is_named_and_handled(tmp_path, monkeypat
     if action == "suspect":
         [row] = r0["marks"][2]
         assert row["tensor"] == "model/weight" and sorted(row["values"].values()) == [[0], [1]]
+        show = [sys.executable, "-m", "unbroken", "show", str(tmp_path / "ckpt"), "--step"]
+        shown = {n: subprocess.run([*show, str(n)], capture_output=True, text=True, timeout=60)
+                 for n in (1, 2)}  # fmt: skip
+        assert "SUSPECT" in shown[2].stdout and "model/weight" in shown[2].stdout, shown[2]
+        assert shown[1].returncode == 0 and "SUSPECT" not in shown[1].stdout
     else:
         assert r0["marks"][2] is None
 

@@ -29,7 +29,7 @@ from unbroken.format import step_dir
 from unbroken.plan import Block
 from unbroken.run.worker import event
 
-__all__ = ["SUSPECT", "Divergence", "Replicated", "SilentCorruptionError", "suspect"]
+__all__ = ["SUSPECT", "Divergence", "Replicated", "SilentCorruptionError", "report", "suspect"]
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +137,13 @@ def guard(
     found = replicated.check(step, blocks, rank)
     if found and rank == 0:
         storage.write(f"{step_dir(step)}/{SUSPECT}", [record(found)])  # type: ignore[attr-defined]
+
+
+def report(storage: object, step: int) -> str | None:
+    """One line for tools (``unbroken show``) when ``step`` was saved as suspect."""
+    rows = suspect(storage, step_dir(step))
+    if not rows:
+        return None
+    where = ", ".join(f"{r['tensor']} ({r['values']})" for r in rows[:3])
+    more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
+    return f"step {step}: data-parallel replicas differed when saved: {where}{more}"
