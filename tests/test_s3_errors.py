@@ -84,9 +84,9 @@ def test_an_ip_or_localhost_endpoint_is_path_style_by_itself(bucket, host):
         (None, "http://127.0.0.1:9000", True),
         (None, "http://[::1]:9000", True),
         (None, "http://localhost:9000", True),
-        (None, "http://rgw:7480", False),  # a host name: virtual-hosted, as boto3 does
+        (None, "https://rgw:7480", False),  # a host name: virtual-hosted, as boto3 does
         (None, None, False),  # AWS
-        (True, "http://rgw:7480", True),
+        (True, "https://rgw:7480", True),
         (False, "http://localhost:9000", False),
     ],
 )
