@@ -84,9 +84,9 @@ def test_an_ip_or_localhost_endpoint_is_path_style_by_itself(bucket, host):
         (None, "http://127.0.0.1:9000", True),
         (None, "http://[::1]:9000", True),
         (None, "http://localhost:9000", True),
-        (None, "http://rgw:7480", False),  # a host name: virtual-hosted, as boto3 does
+        (None, "https://rgw:7480", False),  # a host name: virtual-hosted, as boto3 does
         (None, None, False),  # AWS
-        (True, "http://rgw:7480", True),
+        (True, "https://rgw:7480", True),
         (False, "http://localhost:9000", False),
     ],
 )
@@ -174,7 +174,12 @@ def test_a_server_that_never_replies_is_named_with_how_long_it_was_waited_for(bu
 def test_a_host_name_endpoint_without_per_bucket_dns_says_to_use_path_style(bucket):
     uri, options = bucket
     options = {k: v for k, v in options.items() if k != "path_style"}
-    options |= {"endpoint": "http://rgw.invalid:7480", "retry_timeout": 1.0, "max_retries": 1}
+    options |= {
+        "endpoint": "http://rgw.invalid:7480",
+        "allow_http": True,
+        "retry_timeout": 1.0,
+        "max_retries": 1,
+    }
     bucket_name = uri.removeprefix("s3://").split("/")[0]
     with pytest.raises(CheckpointError) as failure:
         Checkpointer(uri, storage_options=options).restore({"w": torch.ones(3)})

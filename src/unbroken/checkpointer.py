@@ -30,6 +30,7 @@ from unbroken.policies import SavePolicy
 from unbroken.preemption import Preemption
 from unbroken.retention import KeepLast, Retention
 from unbroken.run import worker
+from unbroken.sdc import Replicated
 from unbroken.snapshots import Snapshots
 from unbroken.sources import Restored
 from unbroken.staging import Stager
@@ -79,6 +80,7 @@ class Checkpointer:
         replicas: int = 0,
         memory_dir: str | None = None,
         job: str | None = None,
+        replicated: Replicated | None = None,
     ) -> None:
         Options(
             keep=keep, io_threads=io_threads, staging_buffers=staging_buffers, if_busy=if_busy,
@@ -91,6 +93,7 @@ class Checkpointer:
         self.if_busy = if_busy
         self.on_error = on_error
         self.replicated_reads = replicated_reads
+        self.replicated = replicated  # silent-corruption check: `unbroken.sdc`
         self.storage = open_storage(self.path, storage_options)
         wait = timedelta(seconds=timeout)
         self._comm = Comm(process_group, wait)
@@ -215,7 +218,7 @@ class Checkpointer:
         try:
             context = saving.SaveContext(
                 comm=self._comm, directory=self._directory, io_threads=self.io_threads,
-                collector=self._collector, job=self._job,
+                collector=self._collector, job=self._job, replicated=self.replicated,
             )  # fmt: skip
             return saving.persist(context, staged)
         except BaseException as e:

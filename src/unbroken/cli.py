@@ -25,7 +25,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from unbroken import cli_json, retention
+from unbroken import cli_json, retention, sdc
 from unbroken.collector import read_info
 from unbroken.data import command as tokenise
 from unbroken.directory import Directory
@@ -280,6 +280,8 @@ def _show(opts: argparse.Namespace) -> int:
         f"ranks at {_time(m.created)} (format version {m.version})",
         highlight=False,
     )
+    if note := sdc.report(_open(opts.path).storage, m.step):
+        console.print(f"[yellow]SUSPECT[/yellow] {note}", highlight=False)
     table = Table("tensor", "dtype", "shape", "blocks", "size")
     for key, entry in m.tensors.items():
         table.add_row(

@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 
+from unbroken.access import Access
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Chunk, Manifest, TensorEntry, checksum, dtype_name, verify_block
-from unbroken.memory_paths import clean_abandoned, rank_of, safe
+from unbroken.memory_paths import clean_abandoned, rank_of, safe, shared_root
 from unbroken.placement import partners, replica_layout
 from unbroken.shards import byte_view, packed
 
@@ -57,11 +58,17 @@ class Slots:
     never overwrites the newest whole slot, nor one still being written (see `release`)."""
 
     def __init__(
-        self, directory: str, job: str, owner: int, world_size: int, count: int = OWN_SLOTS
+        self,
+        directory: str,
+        job: str,
+        owner: int,
+        world_size: int,
+        count: int = OWN_SLOTS,
+        access: Access | None = None,
     ) -> None:
         self.dir, self.job, self.owner, self.world_size = directory, job, owner, world_size
-        self.count = count
-        os.makedirs(directory, exist_ok=True)
+        self.count, self.access = count, access or Access.from_env()
+        self.access.makedirs(directory)
         self._buffers: dict[int, torch.Tensor] = {}
         self._published: dict[int, tuple[int, str]] = {}  # slot -> (step, manifest JSON)
         self._writing: set[int] = set()  # begun, not yet released
@@ -91,13 +98,11 @@ class Slots:
         current = self._buffers.get(slot)
         if current is None or current.numel() != max(nbytes, 1):
             path = self._path(slot, "bin")
-            with open(path, "ab") as f:
-                f.truncate(max(nbytes, 1))
-                try:  # a full tmpfs: ENOSPC here, not SIGBUS on the copy (test_exhaustion)
-                    os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
-                except OSError:
-                    self.release(slot)
-                    raise
+            try:  # a full tmpfs: ENOSPC here, not SIGBUS on the copy (test_exhaustion)
+                self.access.size(path, max(nbytes, 1))
+            except OSError:
+                self.release(slot)
+                raise
             current = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
             self._buffers[slot] = current
         return slot, current
@@ -119,8 +124,8 @@ class Slots:
         if set(manifest.files) != {file}:
             manifest_json = _renamed(manifest, file)
         tmp = self._path(slot, "json.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"job": self.job, "rank": self.owner, "manifest": manifest_json}, f)
+        header = {"job": self.job, "rank": self.owner, "manifest": manifest_json}
+        self.access.write_text(tmp, json.dumps(header))
         os.replace(tmp, self._path(slot, "json"))
         with self._lock:
             self._published[slot] = (manifest.step, manifest_json)
@@ -221,17 +226,21 @@ class MemoryTier:
     """The shared-memory snapshots of one rank of one job, and the replicas it keeps for
     its peers."""
 
-    def __init__(self, root: str, job: str, rank: int, world_size: int) -> None:
+    def __init__(
+        self, root: str, job: str, rank: int, world_size: int, access: Access | None = None
+    ) -> None:
         self.job, self.rank, self.world_size = job, rank, world_size
+        self.access = access or Access.from_env()
         self.root = os.path.join(root, safe(job))
+        shared_root(root)
+        self.access.own_dir(self.root)  # only this user's: see `unbroken.access`
         clean_abandoned(root, job)
         own = os.path.join(self.root, f"rank-{rank:05d}")
-        self.own = Slots(own, job, rank, world_size)
+        self.own = Slots(own, job, rank, world_size, access=self.access)
         self.dir = self.own.dir
         self._replicas: dict[int, Slots] = {}
         self._others: dict[str, Slots] = {}  # folders of other rank numbers, by path
-        with open(os.path.join(self.root, f"owner-{rank:05d}"), "w") as f:
-            f.write(str(os.getpid()))
+        self.access.write_text(os.path.join(self.root, f"owner-{rank:05d}"), str(os.getpid()))
 
     def write(self, step: int, blocks: Sequence[Block], tree: dict[str, Any]) -> None:
         """Copy ``(key, local block, offsets, global shape)`` blocks and the JSON ``tree``
@@ -248,7 +257,9 @@ class MemoryTier:
         if owner not in self._replicas:
             directory = os.path.join(self.root, "replicas", f"rank-{owner:05d}")
             # received on the save worker, one at a time, published before the next: two do
-            self._replicas[owner] = Slots(directory, self.job, owner, self.world_size, count=2)
+            self._replicas[owner] = Slots(
+                directory, self.job, owner, self.world_size, count=2, access=self.access
+            )
         return self._replicas[owner]
 
     def copies(self) -> dict[int, list[Slots]]:
@@ -278,7 +289,9 @@ class MemoryTier:
         if directory == self.own.dir:
             return self.own
         if directory not in self._others:
-            self._others[directory] = Slots(directory, self.job, owner, self.world_size)
+            self._others[directory] = Slots(
+                directory, self.job, owner, self.world_size, access=self.access
+            )
         return self._others[directory]
 
     def holding(self, owner: int, step: int) -> Slots:

@@ -20,6 +20,20 @@ def safe(job: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "job"
 
 
+def shared_root(root: str) -> None:
+    """Create the node's shared-memory root if missing, like ``/tmp``: every user may make
+    a folder in it (each job's own is private: `unbroken.access`), none may remove
+    another's (the sticky bit)."""
+    if os.path.isdir(root):
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        return  # another rank made it at the same moment
+    os.chmod(root, 0o1777)
+
+
 def clean_abandoned(root: str, job: str) -> None:
     """Remove the shared memory of other jobs whose processes are all gone."""
     try:
@@ -30,8 +44,12 @@ def clean_abandoned(root: str, job: str) -> None:
         folder = os.path.join(root, name)
         if name == safe(job) or not os.path.isdir(folder):
             continue
+        try:
+            names_in = os.listdir(folder)
+        except OSError:  # another user's job: private, and not ours to clean
+            continue
         pids = []
-        for owner in (f for f in os.listdir(folder) if f.startswith("owner-")):
+        for owner in (f for f in names_in if f.startswith("owner-")):
             try:
                 with open(os.path.join(folder, owner)) as f:
                     pids.append(int(f.read()))

@@ -30,6 +30,7 @@ from unbroken.format import Manifest, block_checksums, dtype_name, step_dir
 from unbroken.plan import Block, WritePlan, make_plan
 from unbroken.retention import Info
 from unbroken.run import faults, worker
+from unbroken.sdc import Replicated, guard
 from unbroken.shards import byte_view, local_block, write_blocks
 from unbroken.staging import Arena
 from unbroken.state import capture
@@ -49,6 +50,7 @@ class SaveContext:
     io_threads: int
     collector: Collector
     job: str = ""  # names this job's claims on the steps it saves (`unbroken.claims`)
+    replicated: Replicated | None = None  # see `unbroken.sdc`
 
 
 @dataclass(kw_only=True)
@@ -146,8 +148,9 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
             f"ranks disagree on the step to save: {dict(enumerate(steps))}; "
             "every rank must call save() with the same step"
         )
-    plan = make_plan([[Block.from_json(b) for b in row[2]] for row in rows])
+    plan = make_plan(by_rank := [[Block.from_json(b) for b in row[2]] for row in rows])
     writing.append(True)
+    guard(ctx.replicated, comm.rank, ctx.directory.storage, step, by_rank)
     mine = set(plan.writes[comm.rank])
     to_write = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
     locations, sizes = comm.together(

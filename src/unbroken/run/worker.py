@@ -39,6 +39,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from unbroken.access import Access
 from unbroken.run import contract, faults
 from unbroken.run.faults import Fault, parse
 
@@ -143,8 +144,8 @@ class LaunchContext:
         data = "".join(line + "\n" for _, line in self.buffer).encode()
         self.buffer = []
         path = os.path.join(self.events_dir, contract.events_file(self.rank, os.getpid()))
-        os.makedirs(self.events_dir, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        Access.from_env().makedirs(self.events_dir)
+        fd = Access.from_env().open(path, os.O_WRONLY | os.O_APPEND)
         try:
             os.write(fd, data)
         finally:
@@ -171,7 +172,7 @@ class LaunchContext:
         assert self.dir is not None
         if self.fd is None:
             path = os.path.join(self.dir, contract.heartbeat_file(self.rank))
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            self.fd = Access.from_env().open(path, os.O_WRONLY)
         line = f"{step} {time.time():.6f} {os.getpid()} {self.attempt}"
         os.pwrite(self.fd, line.ljust(contract.HEARTBEAT_BYTES - 1).encode() + b"\n", 0)
         self.last_beat = now

@@ -9,15 +9,20 @@ import shutil
 import uuid
 from collections.abc import Callable, Sequence
 
+from unbroken.access import Access
 from unbroken.errors import CheckpointError
 from unbroken.run import faults
 
 
 class LocalStorage:
+    """Checkpoints under ``root``. Files are created 0600 and folders 0700 (or 0660 / 0770
+    with ``Access(group=True)``) whatever the umask; the default is `Access.from_env`."""
+
     requests_in_flight = 1
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, access: Access | None = None) -> None:
         self.root = os.path.abspath(root)
+        self.access = access or Access.from_env()
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise CheckpointError(
                 f"{self.root} is a file, not a checkpoint directory; pass a directory path"
@@ -28,8 +33,8 @@ class LocalStorage:
 
     def write(self, path: str, parts: Sequence[memoryview | bytes]) -> None:
         full = self._full(path)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.access.makedirs(os.path.dirname(full))
+        fd = self.access.open(full, os.O_WRONLY | os.O_TRUNC)
         try:
             offset = 0
             for part in parts:

@@ -19,13 +19,14 @@ multipart uploads, so that one chore goes through boto3.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from functools import cached_property
 from typing import Any
@@ -47,16 +48,23 @@ MIN_PART = 5 * _MIB  # S3's smallest part, but the last
 @dataclass(frozen=True, kw_only=True)
 class S3Options:
     """How to reach a bucket. Credentials default to the usual AWS chain (environment,
-    ``~/.aws`` config and credentials files, SSO, instance roles)."""
+    ``~/.aws`` config and credentials files, SSO, instance roles); given here, they never
+    appear in a repr, an error or a log line.
+
+    Requests use TLS: an ``http://`` endpoint is refused unless its host is a loopback
+    address (``127.0.0.0/8``, ``::1``, ``localhost``: a server on this machine, allowed by
+    default) or ``allow_http=True`` says plain HTTP is wanted (credentials' signatures and
+    the checkpoint's bytes then cross the network unencrypted)."""
 
     endpoint: str | None = None  # e.g. "http://127.0.0.1:7480"; default: AWS
+    allow_http: bool = False  # plain HTTP to an endpoint that is not loopback
     region: str | None = None
     # https://endpoint/bucket/key instead of https://bucket.endpoint/key; None: path style
     # for an endpoint given as an IP address or localhost, as boto3 does
     path_style: bool | None = None
-    access_key_id: str | None = None
-    secret_access_key: str | None = None
-    session_token: str | None = None
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
     part_size: int = 16 * _MIB  # multipart part size, and ranged-GET piece size
     concurrency: int = 16  # parts in flight per object, for uploads and downloads
     timeout: float = 60.0  # seconds for one request
@@ -70,6 +78,12 @@ class S3Options:
             raise ValueError(f"concurrency={self.concurrency}: at least one request at a time")
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ValueError("give both access_key_id and secret_access_key, or neither")
+        if self.endpoint and not self.allow_http and _plain_remote(self.endpoint):
+            raise ValueError(
+                f"endpoint {self.endpoint} is plain HTTP to a host that is not this machine: "
+                "credentials and checkpoints would cross the network unencrypted. Use "
+                "https://, or pass allow_http=True if that is what you want"
+            )
         if self.path_style is False and self.endpoint and path_style_by_default(self.endpoint):
             host = urlsplit(self.endpoint).hostname
             if host != "localhost":
@@ -358,3 +372,17 @@ def _addressing(options: S3Options) -> str:
     if options.uses_path_style:
         return "path"
     return "virtual" if options.path_style is False else "auto"
+
+
+def _plain_remote(endpoint: str) -> bool:
+    """Whether ``endpoint`` is ``http://`` to a host other than this machine's loopback."""
+    parts = urlsplit(endpoint)
+    if parts.scheme.lower() != "http":
+        return False
+    host = (parts.hostname or "").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return True

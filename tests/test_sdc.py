@@ -1,0 +1,102 @@
+"""Silent data corruption: a data-parallel replica that differs between ranks is found at
+save time, named (tensor, ranks), recorded as an event and handled as configured."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ranks import run_ranks
+from unbroken.format import step_dir
+from unbroken.plan import Block
+from unbroken.sdc import Replicated, suspect
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _job(rank: int, world: int, path: str, action: str) -> dict:
+    from unbroken import Checkpointer, CheckpointError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    # Legitimately per-rank, under a name not declared replicated: never flagged.
+    state = {"model": model, "mine": {"seen": torch.full((3,), float(rank))}}
+    ckpt = Checkpointer(path, replicated=Replicated(("model",), action=action))  # type: ignore[arg-type]
+    ckpt.save(1, state)  # identical replicas: nothing to say
+    if rank == 1:
+        with torch.no_grad():
+            model.weight[0, 0] += 1e-3  # one rank's copy silently drifts
+    error = None
+    try:
+        ckpt.save(2, state)
+    except CheckpointError as e:
+        error = f"{type(e).__name__}: {e}"
+    marks = {s: suspect(ckpt.storage, step_dir(s)) for s in (1, 2)}
+    ckpt.close()
+    return {"error": error, "marks": marks}
+
+
+def _events(folder: str) -> list[dict]:
+    rows = []
+    for name in glob.glob(os.path.join(folder, "events-*.jsonl")):
+        with open(name) as f:
+            rows += [json.loads(line) for line in f]
+    return [r for r in rows if r.get("event", r.get("name")) == "sdc"]
+
+
+@pytest.mark.parametrize("action", ["warn", "refuse", "suspect"])
+def test_one_rank_s_corrupted_parameter_is_named_and_handled(tmp_path, monkeypatch, action):
+    events = tmp_path / "events"
+    monkeypatch.setenv("UNBROKEN_EVENTS_DIR", str(events))
+    r0, r1 = run_ranks(_job, str(tmp_path / "ckpt"), action)
+    assert r0 == r1 or action == "refuse", (r0, r1)
+    [sdc] = _events(str(events))  # one event, from rank 0, for step 2 only
+    assert sdc["step"] == 2 and sdc["tensor"] == "model/weight" and sdc["action"] == action
+    assert sorted(sdc["values"].values()) == [[0], [1]]
+    committed = os.path.exists(tmp_path / "ckpt" / step_dir(2) / "manifest.json")
+    if action == "refuse":
+        for r in (r0, r1):
+            assert r["error"].startswith("SilentCorruptionError"), r
+            assert "'model/weight'" in r["error"] and "ranks [0]" in r["error"]
+            assert "ranks [1]" in r["error"]
+        assert not committed
+    else:
+        assert r0["error"] is None and committed
+    assert r0["marks"][1] is None
+    if action == "suspect":
+        [row] = r0["marks"][2]
+        assert row["tensor"] == "model/weight" and sorted(row["values"].values()) == [[0], [1]]
+        show = [sys.executable, "-m", "unbroken", "show", str(tmp_path / "ckpt"), "--step"]
+        shown = {n: subprocess.run([*show, str(n)], capture_output=True, text=True, timeout=60)
+                 for n in (1, 2)}  # fmt: skip
+        assert "SUSPECT" in shown[2].stdout and "model/weight" in shown[2].stdout, shown[2]
+        assert shown[1].returncode == 0 and "SUSPECT" not in shown[1].stdout
+    else:
+        assert r0["marks"][2] is None
+
+
+def _block(key: str, xxh3: str, offsets: tuple[int, ...] = (0,)) -> Block:
+    return Block(key=key, dtype="float32", shape=(4,), offsets=offsets, local_shape=(2,),
+                 nbytes=8, xxh3=xxh3)  # fmt: skip
+
+
+def test_the_rule_compares_only_declared_state_and_the_same_region():
+    rule = Replicated(("model", "optim"))
+    by_rank = [
+        [_block("model/w", "a"), _block("model/s", "x", (0,)), _block("rng/t", "r0")],
+        [_block("model/w", "a"), _block("model/s", "y", (2,)), _block("rng/t", "r1")],
+        [_block("model/w", "b"), _block("optim/m", "m"), _block("rng/t", "r2")],
+        [_block("model/w", "a"), _block("optim/m", "m")],
+    ]
+    [d] = rule.divergent(by_rank)  # shards (other offsets) and undeclared names are not
+    assert (d.key, d.values) == ("model/w", {"a": [0, 1, 3], "b": [2]})
+    with pytest.raises(ValueError, match="'warn', 'refuse' or 'suspect'"):
+        Replicated(("model",), action="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="top-level state names"):
+        Replicated(())
