@@ -39,16 +39,13 @@ from unbroken.memory_paths import clean_abandoned, rank_of, safe, shared_root
 from unbroken.placement import partners, replica_layout
 from unbroken.shards import byte_view, packed
 
-__all__ = [
-    "OWN_SLOTS", "Block", "Copied", "MemoryTier", "Slots", "copy", "partners", "replica_layout",
-    "seal",
-]  # fmt: skip
+__all__ = ["OWN_SLOTS", "Block", "Copied", "MemoryTier", "Slots", "copy", "partners",
+           "replica_layout", "seal"]  # fmt: skip
 
 log = logging.getLogger("unbroken")
 
-# A rank's own snapshots: the newest whole one, one being checksummed or replicated in the
-# background, and one the next snapshot copies into without waiting (unbroken.snapshots).
-# The third is mapped only when a snapshot comes while the one before is still in flight.
+# A rank's own: the newest whole, one checksummed or replicated in the background, and one the
+# next snapshot copies into without waiting, mapped only if the one before is still in flight.
 OWN_SLOTS = 3
 Block = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]  # key, data, offsets, shape
 
