@@ -74,7 +74,9 @@ class LaunchContext:
                 f"{contract.FAULT_ENV} asks for kill-node, which only `unbroken run "
                 f"--simulate-nodes` can carry out ({contract.HEARTBEAT_DIR_ENV} is not set)"
             )
-        self.events_dir = env.get(contract.EVENTS_DIR_ENV) or self.dir
+        events_dir = env.get(contract.EVENTS_DIR_ENV) or self.dir
+        # normalised: "ckpt/../events" must not need ckpt to exist yet
+        self.events_dir = os.path.abspath(events_dir) if events_dir else None
         self.fd: int | None = None
         self.last_beat = float("-inf")
         self.first_step_seen = False
