@@ -1,0 +1,161 @@
+"""Hostile manifests: every tampered field gives a clean CorruptCheckpointError naming it,
+before anything is read or allocated (issue 17, item 5)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.format import FORMAT, Manifest
+
+FUZZ = int(os.environ.get("UNBROKEN_FUZZ_EXAMPLES", "300"))
+
+
+def good(chunks: int = 2) -> dict[str, Any]:
+    """A valid manifest: tensor 'w' (F32, [2*chunks, 4]) in one file, one block per 2 rows."""
+    blocks = [
+        {"offsets": [2 * i, 0], "shape": [2, 4], "file": "r00000-000.safetensors",
+         "start": 32 * i, "end": 32 * i + 32, "xxh3": "0123456789abcdef"}
+        for i in range(chunks)
+    ]  # fmt: skip
+    return {
+        "format": FORMAT, "version": 2, "step": 7, "world_size": 2, "created": 1.0,
+        "tensors": {"w": {"dtype": "F32", "shape": [2 * chunks, 4], "chunks": blocks}},
+        "objects": [{"a": 1}], "rank_objects": [0, 0],
+        "files": {"r00000-000.safetensors": 32 * chunks},
+    }  # fmt: skip
+
+
+def parse(raw: Any) -> Manifest:
+    return Manifest.from_json(json.dumps(raw).encode(), "m.json")
+
+
+def chunk0(m: dict[str, Any]) -> dict[str, Any]:
+    return m["tensors"]["w"]["chunks"][0]
+
+
+def _set(path: Callable[[dict[str, Any]], dict[str, Any]], key: str, value: Any) -> Callable:
+    def edit(m: dict[str, Any]) -> None:
+        path(m)[key] = value
+
+    return edit
+
+
+def root(m: dict[str, Any]) -> dict[str, Any]:
+    return m
+
+
+def tensor(m: dict[str, Any]) -> dict[str, Any]:
+    return m["tensors"]["w"]
+
+
+CASES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "huge global shape": (_set(tensor, "shape", [1 << 40, 1 << 40]), "absurdly large"),
+    "huge block shape": (_set(chunk0, "shape", [1 << 40, 4]), "outside shape"),
+    "negative shape": (_set(tensor, "shape", [-4, 4]), "shape"),
+    "block outside tensor": (_set(chunk0, "offsets", [3, 0]), "outside shape"),
+    "wrong ndim": (_set(chunk0, "offsets", [0]), "dimensions"),
+    "negative start": (_set(chunk0, "start", -32), "start"),
+    "reversed range": (lambda m: chunk0(m).update(start=32, end=0), "end"),
+    "range past file": (_set(chunk0, "end", 1 << 40), "end"),
+    "range not block size": (_set(chunk0, "end", 16), "do not hold"),
+    "overlapping ranges": (
+        lambda m: (
+            chunk0(m).update(start=16, end=48) or m["files"].update({"r00000-000.safetensors": 64})
+        ),
+        "overlap",
+    ),
+    "dotdot file": (_set(chunk0, "file", "../../etc/passwd"), "plain file name"),
+    "absolute file": (_set(chunk0, "file", "/etc/passwd"), "plain file name"),
+    "separator file": (_set(chunk0, "file", "a/b"), "plain file name"),
+    "dotdot in files": (lambda m: m["files"].update({"..": 1}), "plain file name"),
+    "unlisted file": (_set(chunk0, "file", "r00001-000.safetensors"), "does not list"),
+    "absurd world size": (_set(root, "world_size", 1 << 40), "world_size"),
+    "absurd step": (_set(root, "step", 1 << 80), "step"),
+    "string step": (_set(root, "step", "7"), "step"),
+    "bool step": (_set(root, "step", True), "step"),
+    "absurd objects": (_set(root, "objects", [{}] * 3), "objects"),
+    "absurd ranks": (_set(root, "rank_objects", [0] * 1000), "rank_objects"),
+    "absurd dims": (_set(tensor, "shape", [1] * 1000), "at most"),
+    "unknown dtype": (_set(tensor, "dtype", "F128"), "unknown dtype"),
+    "unknown chunk field": (_set(chunk0, "__class__", "os.system"), "unknown fields"),
+    "rank object nowhere": (_set(root, "rank_objects", [0, 5]), r"rank_objects\[1\]"),
+    "chunk rank nowhere": (_set(chunk0, "ranks", [9]), "chunk rank"),
+    "missing tensors": (lambda m: m.pop("tensors"), "tensors"),
+    "tensors a list": (_set(root, "tensors", []), "tensors"),
+    "chunk a string": (_set(tensor, "chunks", ["x"]), "chunk"),
+    "bad checksum field": (_set(chunk0, "xxh3", 5), "checksum"),
+    "bad pieces": (_set(chunk0, "pieces", [1, 2]), "piece"),
+}
+
+
+def test_good_manifest_parses() -> None:
+    manifest = parse(good())
+    assert manifest.tensors["w"].chunks[1].start == 32 and manifest.objects_for(1) == {"a": 1}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tampered_manifest_is_refused_naming_the_field(case: str) -> None:
+    raw = good()
+    edit, words = CASES[case]
+    edit(raw)
+    with pytest.raises(CorruptCheckpointError, match=words) as info:
+        parse(raw)
+    assert "m.json" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "data", [b"[" * 100_000, b"\xff\xfe\x00garbage", b'{"format": "\xc3\x28"}', b"", b"null"]
+)
+def test_deep_nesting_and_bad_bytes_are_refused(data: bytes) -> None:
+    with pytest.raises(CorruptCheckpointError, match=r"m\.json"):
+        Manifest.from_json(data, "m.json")
+
+
+def test_validation_is_cheap() -> None:
+    """100k chunks validate and parse in well under a second: restore does not notice."""
+    text = json.dumps(good(100_000)).encode()
+    begin = time.perf_counter()
+    manifest = Manifest.from_json(text, "m.json")
+    took = time.perf_counter() - begin
+    assert len(manifest.tensors["w"].chunks) == 100_000
+    print(f"100k-chunk manifest ({len(text) >> 20} MiB) parsed and validated in {took:.3f} s")
+    assert took < 3.0
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=20,
+)
+FIELDS = ["step", "world_size", "created", "tensors", "objects", "rank_objects", "files"]
+
+
+@settings(max_examples=FUZZ, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_fuzzed_manifests_fail_cleanly(data: st.DataObject) -> None:
+    """Any field of a valid manifest replaced by any JSON value: parses or CheckpointError."""
+    raw = copy.deepcopy(good())
+    where = data.draw(st.sampled_from(["root", "tensor", "chunk"]))
+    target = {"root": raw, "tensor": tensor(raw), "chunk": chunk0(raw)}[where]
+    key = data.draw(st.sampled_from([*sorted(target), "extra"]))
+    target[key] = data.draw(json_values)
+    with contextlib.suppress(CheckpointError):
+        parse(raw)
+
+
+@settings(max_examples=FUZZ, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.binary(max_size=200))
+def test_fuzzed_bytes_fail_cleanly(data: bytes) -> None:
+    with contextlib.suppress(CheckpointError):
+        Manifest.from_json(data, "m.json")
