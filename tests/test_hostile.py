@@ -61,6 +61,11 @@ def tensor(m: dict[str, Any]) -> dict[str, Any]:
 
 CASES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "huge global shape": (_set(tensor, "shape", [1 << 40, 1 << 40]), "absurdly large"),
+    "global shape past its blocks": (_set(tensor, "shape", [1 << 30, 4]), "do not cover"),
+    "one range for two blocks": (
+        lambda m: m["tensors"]["w"]["chunks"][1].update(start=0, end=32),
+        "two blocks claim",
+    ),
     "huge block shape": (_set(chunk0, "shape", [1 << 40, 4]), "outside shape"),
     "negative shape": (_set(tensor, "shape", [-4, 4]), "shape"),
     "block outside tensor": (_set(chunk0, "offsets", [3, 0]), "outside shape"),
@@ -159,3 +164,58 @@ def test_fuzzed_manifests_fail_cleanly(data: st.DataObject) -> None:
 def test_fuzzed_bytes_fail_cleanly(data: bytes) -> None:
     with contextlib.suppress(CheckpointError):
         Manifest.from_json(data, "m.json")
+
+
+def _escape(m: dict[str, Any]) -> None:
+    """Point a block at a file outside the checkpoint, sized so only the name is wrong."""
+    for entry in m["tensors"].values():
+        for c in entry["chunks"]:
+            c["file"] = "../../outside"
+    m["files"] = {"../../outside": max(m["files"].values())}
+
+
+def _huge(m: dict[str, Any]) -> None:
+    m["tensors"]["ema"]["shape"] = [1 << 40]
+    m["tensors"]["ema"]["chunks"][0]["shape"] = [1 << 40]
+
+
+def _overrun(m: dict[str, Any]) -> None:
+    m["tensors"]["ema"]["chunks"][0]["end"] += 1 << 30
+
+
+TAMPER = {"escape": (_escape, "plain file name"), "huge": (_huge, "ema"),
+          "overrun": (_overrun, "ema")}  # fmt: skip
+
+
+@pytest.mark.parametrize("how", sorted(TAMPER))
+def test_a_tampered_checkpoint_leaves_the_state_and_other_files_alone(tmp_path, how: str) -> None:
+    """Save steps 1 and 2, tamper step 2's manifest: restoring step 2 raises naming the step
+    and the problem, changes no live tensor and reads nothing outside the checkpoint; a
+    restore of the newest step falls back to step 1."""
+    import torch
+
+    from unbroken import Checkpointer
+    from unbroken.format import MANIFEST, step_dir
+
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"secret" * 100)
+    before = outside.stat()
+    ckpt = Checkpointer(tmp_path / "a" / "ckpt")
+    state = {"ema": torch.arange(8.0), "w": torch.ones(3, 5)}
+    for step in (1, 2):
+        state["ema"].add_(1)
+        ckpt.save(step, state)
+    path = tmp_path / "a" / "ckpt" / step_dir(2) / MANIFEST
+    raw = json.loads(path.read_bytes())
+    edit, words = TAMPER[how]
+    edit(raw)
+    path.write_bytes(json.dumps(raw).encode())
+    live = {"ema": torch.full((8,), -1.0), "w": torch.zeros(3, 5)}
+    with pytest.raises(CheckpointError, match=words) as info:
+        ckpt.restore(live, step=2)
+    assert step_dir(2) in str(info.value)
+    assert torch.equal(live["ema"], torch.full((8,), -1.0)) and not live["w"].any()
+    after = outside.stat()
+    assert (after.st_atime_ns, after.st_mtime_ns) == (before.st_atime_ns, before.st_mtime_ns)
+    assert ckpt.restore(live) == 1 and torch.equal(live["ema"], torch.arange(8.0) + 1)
+    ckpt.close()

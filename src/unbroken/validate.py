@@ -105,10 +105,20 @@ def _tensor(
     shape = _ints(entry.get("shape"), 0, MAX_ELEMENTS, where, "shape", None)
     if math.prod(shape) > MAX_ELEMENTS:
         raise _fail(where, f"shape {shape} is absurdly large")
+    covered, seen = 0, set()
     for chunk in entry["chunks"]:
         if not isinstance(chunk, dict):
             raise _fail(where, "every chunk must be an object")
         _chunk(chunk, shape, itemsize, files, world, ranges, where)
+        span = (chunk["file"], chunk["start"], chunk["end"])
+        if span in seen and chunk["end"] > chunk["start"]:
+            raise _fail(where, f"two blocks claim bytes {span[1]}-{span[2]} of {span[0]}")
+        seen.add(span)
+        covered += math.prod(chunk["shape"])
+    # Blocks cover the tensor, each from its own bytes: what a restore allocates for a
+    # tensor the live state lacks is bounded by bytes that exist (sources check sizes).
+    if covered < math.prod(shape):
+        raise _fail(where, f"its blocks do not cover its shape {shape}")
 
 
 def _chunk(
@@ -153,3 +163,15 @@ def _no_overlap(name: str, spans: list[tuple[int, int, str]], where: str) -> Non
     for (s0, e0, _), (s1, e1, who) in itertools.pairwise(spans):
         if s1 < e0 and (s0, e0) != (s1, e1):
             raise _fail(who, f"bytes {s1}-{e1} of {name} overlap bytes {s0}-{e0}")
+
+
+def stored_enough(key: str, dtype: str, shape: list[int], chunks: list[Any], where: str) -> None:
+    """Refuse to allocate a tensor the live state lacks unless the checkpoint stores at least
+    its bytes: the allocation is then bounded by files whose sizes storage confirmed, never
+    by a shape an attacker wrote."""
+    stored = sum(e - s for _, s, e in {(c.file, c.start, c.end) for c in chunks})
+    if math.prod(shape) * _ITEMSIZE[dtype] > stored:
+        raise _fail(
+            f"{where}: tensor {key!r:.200}",
+            f"shape {shape} needs more bytes than its {stored} stored ones; not allocated",
+        )
