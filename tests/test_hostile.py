@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import FORMAT, Manifest
+from unbroken.validate import stored_enough
 
 FUZZ = int(os.environ.get("UNBROKEN_FUZZ_EXAMPLES", "300"))
 
@@ -219,3 +220,56 @@ def test_a_tampered_checkpoint_leaves_the_state_and_other_files_alone(tmp_path, 
     assert (after.st_atime_ns, after.st_mtime_ns) == (before.st_atime_ns, before.st_mtime_ns)
     assert ckpt.restore(live) == 1 and torch.equal(live["ema"], torch.arange(8.0) + 1)
     ckpt.close()
+
+
+def test_tensor_not_live_is_not_allocated_beyond_its_stored_bytes() -> None:
+    """A valid-looking entry with a huge shape and no blocks: restore refuses to allocate it."""
+    raw = good()
+    raw["tensors"]["big"] = {"dtype": "F32", "shape": [1 << 20, 1 << 20], "chunks": []}
+    manifest = parse(raw)  # schema-valid: the bound is against what is stored
+    entry = manifest.tensors["big"]
+    with pytest.raises(CorruptCheckpointError, match=r"'big'.*not allocated"):
+        stored_enough("big", entry.dtype, entry.shape, entry.chunks, "m.json")
+    w = manifest.tensors["w"]
+    stored_enough("w", w.dtype, w.shape, w.chunks, "m.json")  # fully stored: allowed
+
+
+POINTERS = [b"[" * 100_000, b"\xff\xfe", b'{"step": "../../etc"}', b'{"step": -3}',
+            b'{"step": 1e400}', b'{"step": true}', b"[2]", b'{"step": 99}']  # fmt: skip
+INFOS = [b"[" * 100_000, b"\xc3\x28", b'{"created": "x"}', b'{"created": Infinity}',
+         b'{"created": 1.0, "metric": [1]}', b"7"]  # fmt: skip
+
+
+@pytest.fixture
+def two_steps(tmp_path):
+    """Steps 1 and 2 saved with a metric; the Directory over them."""
+    import torch
+
+    from unbroken import Checkpointer
+    from unbroken.directory import Directory
+    from unbroken.storage import open_storage
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    for step in (1, 2):
+        ckpt.save(step, {"t": torch.ones(2) * step}, metric=float(step))
+    ckpt.close()
+    return tmp_path / "ckpt", Directory(open_storage(str(tmp_path / "ckpt")), "ckpt")
+
+
+@pytest.mark.parametrize("data", POINTERS)
+def test_a_hostile_latest_pointer_is_ignored_for_the_listing(two_steps, data: bytes) -> None:
+    path, directory = two_steps
+    (path / "latest").write_bytes(data)
+    assert directory.latest() == 2
+
+
+@pytest.mark.parametrize("data", INFOS)
+def test_a_hostile_info_file_falls_back_to_the_manifest(two_steps, data: bytes) -> None:
+    from unbroken.collector import INFO, read_info
+    from unbroken.format import step_dir
+
+    path, directory = two_steps
+    assert read_info(directory, 2).metric == 2.0
+    (path / step_dir(2) / INFO).write_bytes(data)
+    info = read_info(directory, 2)
+    assert info.metric is None and info.created == directory.manifest(2).created

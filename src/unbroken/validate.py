@@ -16,6 +16,7 @@ tests/test_hostile.py::test_validation_is_cheap).
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 from typing import Any
@@ -175,3 +176,36 @@ def stored_enough(key: str, dtype: str, shape: list[int], chunks: list[Any], whe
             f"{where}: tensor {key!r:.200}",
             f"shape {shape} needs more bytes than its {stored} stored ones; not allocated",
         )
+
+
+def _small_json(data: bytes, what: str) -> dict[str, Any]:
+    """A parsed JSON object; ValueError for anything else (bad bytes, deep nesting)."""
+    try:
+        raw = json.loads(data)
+    except RecursionError:  # UnicodeDecodeError is a ValueError already
+        raise ValueError(f"{what} nests too deeply") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return raw
+
+
+def latest_step(data: bytes) -> int:
+    """The step a ``latest`` pointer (``{"step": N}``) names. ValueError if it is not a
+    well-formed pointer: its callers then list the steps instead."""
+    step = _small_json(data, "the latest pointer").get("step")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"the latest pointer names no step ({step!r:.40})")
+    return step
+
+
+def info_fields(data: bytes) -> tuple[float, float | None]:
+    """``(created, metric)`` from a step's info file: a finite time and a number or none
+    (a diverged run's NaN loss is a metric). ValueError if malformed: its callers then
+    read the manifest's time."""
+    raw = _small_json(data, "the info file")
+    created, metric = raw.get("created"), raw.get("metric")
+    if type(created) not in (int, float) or not math.isfinite(created):
+        raise ValueError(f"the info file has no valid time ({created!r:.40})")
+    if metric is not None and type(metric) not in (int, float):
+        raise ValueError(f"the info file has no valid metric ({metric!r:.40})")
+    return float(created), metric
