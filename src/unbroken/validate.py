@@ -203,7 +203,8 @@ def info_fields(data: bytes) -> tuple[float, float | None]:
     (a diverged run's NaN loss is a metric). ValueError if malformed: its callers then
     read the manifest's time."""
     raw = _small_json(data, "the info file")
-    created, metric = raw.get("created"), raw.get("metric")
+    created: Any = raw.get("created")
+    metric: Any = raw.get("metric")
     if type(created) not in (int, float) or not math.isfinite(created):
         raise ValueError(f"the info file has no valid time ({created!r:.40})")
     if metric is not None and type(metric) not in (int, float):
