@@ -223,14 +223,15 @@ def test_a_tampered_checkpoint_leaves_the_state_and_other_files_alone(tmp_path, 
 
 
 def test_tensor_not_live_is_not_allocated_beyond_its_stored_bytes() -> None:
-    """A valid-looking entry with a huge shape and no blocks: restore refuses to allocate it."""
+    """Defence in depth behind the schema's coverage rule: restore's own check refuses an
+    entry whose shape needs more bytes than its blocks store."""
     raw = good()
     raw["tensors"]["big"] = {"dtype": "F32", "shape": [1 << 20, 1 << 20], "chunks": []}
-    manifest = parse(raw)  # schema-valid: the bound is against what is stored
-    entry = manifest.tensors["big"]
+    with pytest.raises(CorruptCheckpointError, match="cover"):
+        parse(raw)  # the schema refuses it first
     with pytest.raises(CorruptCheckpointError, match=r"'big'.*not allocated"):
-        stored_enough("big", entry.dtype, entry.shape, entry.chunks, "m.json")
-    w = manifest.tensors["w"]
+        stored_enough("big", "F32", [1 << 20, 1 << 20], [], "m.json")
+    w = parse(good()).tensors["w"]
     stored_enough("w", w.dtype, w.shape, w.chunks, "m.json")  # fully stored: allowed
 
 
