@@ -210,3 +210,51 @@ def info_fields(data: bytes) -> tuple[float, float | None]:
     if metric is not None and type(metric) not in (int, float):
         raise ValueError(f"the info file has no valid metric ({metric!r:.40})")
     return float(created), metric
+
+
+MAX_HEADER = 100 << 20  # the safetensors reference reader's own limit
+
+
+def header_ranges(data: bytes, size: int, where: str) -> set[tuple[int, int]]:
+    """The absolute byte ranges ``[start, end)`` a safetensors header lists, given the
+    header's bytes (its 8-byte length, then its JSON) and the file's ``size``.
+    `CorruptCheckpointError` naming ``where`` unless it is a well-formed header whose every
+    tensor lies inside the file and holds exactly its dtype and shape's bytes."""
+    try:
+        return _header_ranges(data, size, where)
+    except CorruptCheckpointError as e:
+        tail = "; the manifest is damaged or not trusted"
+        raise CorruptCheckpointError(
+            f"{str(e).removesuffix(tail)}; the shard's safetensors header is damaged (restore "
+            "does not read it, but other tools do): re-save or export the step"
+        ) from None
+
+
+def _header_ranges(data: bytes, size: int, where: str) -> set[tuple[int, int]]:
+    if len(data) < 8:
+        raise _fail(where, "the safetensors header is shorter than its length field")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(MAX_HEADER, size - 8) or len(data) < 8 + n:
+        raise _fail(where, f"the safetensors header claims {n} bytes")
+    try:
+        raw = json.loads(data[8 : 8 + n])
+    except (ValueError, RecursionError):
+        raise _fail(where, "the safetensors header is not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise _fail(where, "the safetensors header is not a JSON object")
+    ranges = set()
+    for name, entry in raw.items():
+        if name == "__metadata__":
+            continue
+        what = f"safetensors entry {name!r:.100}"
+        if not isinstance(entry, dict) or entry.get("dtype") not in _ITEMSIZE:
+            raise _fail(where, f"{what} has no known dtype")
+        shape = _ints(entry.get("shape"), 0, MAX_ELEMENTS, where, f"{what} shape", None)
+        start, end = _ints(entry.get("data_offsets"), 0, size, where, f"{what} offsets", 2)
+        if (
+            not start <= end <= size - 8 - n
+            or end - start != math.prod(shape) * _ITEMSIZE[entry["dtype"]]
+        ):
+            raise _fail(where, f"{what} bytes {start}-{end} do not hold its shape {shape}")
+        ranges.add((8 + n + start, 8 + n + end))
+    return ranges
