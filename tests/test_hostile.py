@@ -274,3 +274,32 @@ def test_a_hostile_info_file_falls_back_to_the_manifest(two_steps, data: bytes) 
     (path / step_dir(2) / INFO).write_bytes(data)
     info = read_info(directory, 2)
     assert info.metric is None and info.created == directory.manifest(2).created
+
+
+@settings(max_examples=FUZZ, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.binary(max_size=300), st.integers(min_value=0, max_value=1 << 20))
+def test_fuzzed_safetensors_headers_fail_cleanly(data: bytes, size: int) -> None:
+    """Any bytes as a shard's header, any file size: ranges inside the file, or
+    CheckpointError naming the shard."""
+    from unbroken.validate import header_ranges
+
+    try:
+        ranges = header_ranges(data, size, "s.safetensors")
+    except CheckpointError as e:
+        assert "s.safetensors" in str(e)
+    else:
+        assert all(0 <= start <= end <= size for start, end in ranges)
+
+
+def test_a_real_header_lists_its_blocks() -> None:
+    import torch
+
+    from unbroken.format import safetensors_header
+    from unbroken.validate import header_ranges
+
+    header = safetensors_header([("a", torch.float32, [2, 3], 24), ("b", torch.int8, [5], 5)])
+    size = len(header) + 29
+    assert header_ranges(header, size, "s") == {(len(header), len(header) + 24),
+                                                (len(header) + 24, size)}  # fmt: skip
+    with pytest.raises(CorruptCheckpointError, match="safetensors header"):
+        header_ranges(header, size - 1, "s")
