@@ -19,7 +19,6 @@ cleanly, see `unbroken.restoring`). One job writes a path at a time.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from unbroken.format import step_dir
 from unbroken.retention import Info, KeepAny, KeepBest, KeepPerWindow, Retention, doomed
 from unbroken.run import faults
 from unbroken.sources import StorageSource
+from unbroken.validate import info_fields
 
 log = logging.getLogger("unbroken")
 
@@ -178,8 +178,7 @@ def read_info(directory: Directory, step: int) -> Info:
     """What retention knows of a committed ``step``: its info file, or its manifest's
     time for a step saved before there were info files."""
     try:
-        data = json.loads(directory.storage.read(f"{step_dir(step)}/{INFO}"))
-        return Info(step, float(data["created"]), data.get("metric"))
+        return Info(step, *info_fields(directory.storage.read(f"{step_dir(step)}/{INFO}")))
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         return Info(step, directory.manifest(step).created)
 

@@ -15,6 +15,7 @@ from unbroken.errors import CheckpointError
 from unbroken.format import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
 from unbroken.run import faults
 from unbroken.storage import Storage
+from unbroken.validate import latest_step
 
 
 class Directory:
@@ -63,7 +64,7 @@ class Directory:
         slow and throttled on object stores); by listing if the pointer is absent or
         points at a step that is gone."""
         try:
-            step = int(json.loads(self.storage.read(LATEST))["step"])
+            step = latest_step(self.storage.read(LATEST))  # validate: hostile pointers
             if self.is_committed(step):
                 return step
         except (FileNotFoundError, ValueError, KeyError, TypeError):

@@ -19,6 +19,7 @@ import torch
 import xxhash
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.validate import validate_manifest
 
 FORMAT = "unbroken-checkpoint"
 VERSION = 2  # 2: chunks over one piece carry a checksum per piece (see block_checksums)
@@ -184,8 +185,8 @@ class Manifest:
     def from_json(cls, data: bytes, where: str) -> Manifest:
         try:
             raw = json.loads(data)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{where} is not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise CorruptCheckpointError(f"{where} is not valid JSON ({e!s:.200})") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise CorruptCheckpointError(f"{where} is not an unbroken manifest")
         version = raw.get("version")
@@ -194,6 +195,7 @@ class Manifest:
                 f"{where} has format version {version}, newer than this unbroken reads "
                 f"(version {VERSION}); upgrade unbroken to restore it"
             )
+        validate_manifest(raw, where)  # before anything it names is read or allocated
         try:
             tensors = {
                 key: TensorEntry(

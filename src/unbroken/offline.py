@@ -14,6 +14,7 @@ from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Chunk, Manifest, TensorEntry, step_dir
 from unbroken.shards import fill, read_chunk, read_many
+from unbroken.validate import MAX_HEADER, header_ranges
 
 # Wrappers whose prefixes an inference model does not have: DDP, torch.compile.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -44,6 +45,8 @@ def verify(
         if size != expected:
             damage.append(Damage(file, None, f"{size} bytes on storage, {expected} written"))
             broken_files.add(file)
+        else:
+            _check_header(directory, folder, file, size, manifest, damage)
     for key, entry in manifest.tensors.items():
         for chunk in entry.chunks:
             if chunk.file in broken_files:
@@ -55,6 +58,29 @@ def verify(
                 damage.append(Damage(chunk.file, key, "checksum mismatch"))
             progress(chunk.nbytes)
     return damage
+
+
+def _check_header(
+    directory: Directory, folder: str, file: str, size: int, manifest: Manifest,
+    damage: list[Damage],
+) -> None:  # fmt: skip
+    """A shard's safetensors header must parse and list every block the manifest puts in
+    the file: restore never reads it, but other tools do, so verify reports its damage."""
+    length = bytearray(8)
+    try:
+        directory.storage.read_into(f"{folder}/{file}", 0, memoryview(length))
+        n = min(int.from_bytes(length, "little"), MAX_HEADER, max(0, size - 8))
+        header = bytearray(8 + n)
+        directory.storage.read_into(f"{folder}/{file}", 0, memoryview(header))
+        listed = header_ranges(bytes(header), size, f"{folder}/{file}")
+    except (CorruptCheckpointError, OSError, EOFError) as e:
+        damage.append(Damage(file, None, str(e)))
+        return
+    for key, entry in manifest.tensors.items():
+        for chunk in entry.chunks:
+            listed_here = (chunk.start, chunk.end) in listed or chunk.end == chunk.start
+            if chunk.file == file and not listed_here:
+                damage.append(Damage(file, key, "the safetensors header does not list it"))
 
 
 def consolidate(

@@ -31,6 +31,7 @@ from unbroken.reshard import saved_objects
 from unbroken.shards import byte_view, dtensor_offsets, overlap
 from unbroken.sources import Fill, Origin, Restored
 from unbroken.state import capture, decode, is_stateful, prune, tensor_keys
+from unbroken.validate import stored_enough
 
 __all__ = ["Origin", "RestoreContext", "Restored", "restore"]
 
@@ -198,6 +199,8 @@ def _targets(
             if entry is None:
                 raise CheckpointError(f"{where}: the manifest lists no tensor {key!r}")
             dest = current.get(key)
+            if dest is None:  # not live: allocated from the manifest, so bounded first
+                stored_enough(key, entry.dtype, entry.shape, entry.chunks, where)
             region, offsets = dest, [0] * len(entry.shape)
             if isinstance(dest, DTensor):
                 region, offsets = dest.to_local(), list(dtensor_offsets(dest))
