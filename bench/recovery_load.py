@@ -1,7 +1,7 @@
 """The coordinator's store load at idle, before and after waiting for announcements
 (`unbroken.run.news`):
 
-    python bench/recovery_load.py --nodes 4,16,64 --seconds 3
+    python bench/recovery_load.py --nodes 4,16 --seconds 3
 
 Per node count, one real `Coordinator` over a real store, and simulated node agents
 (threads, one store connection each) that claim their slots, beat every
@@ -112,7 +112,7 @@ def measure(nodes: int, wait: bool, seconds: float) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", default="4,16,64")
+    parser.add_argument("--nodes", default="4,16")  # 64 threads of agents miss beats on 2 cores
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args()
     rows = [measure(int(n), wait, args.seconds)
