@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from unbroken.errors import CheckpointError
 from unbroken.format import step_dir
+from unbroken.memory_paths import process_exists
 from unbroken.storage import Storage
 
 CLAIM = "claim.json"
@@ -45,7 +46,7 @@ class Claim:
         """Whether another writer may still be saving under this claim, as seen by
         ``job`` (None: any job)."""
         if self.host == socket.gethostname():
-            return self.pid != os.getpid() and _alive(self.pid)
+            return self.pid != os.getpid() and process_exists(self.pid)
         return self.job != job and time.time() - self.created < STALE_S
 
     def __str__(self) -> str:
@@ -86,16 +87,6 @@ def stake(storage: Storage, where: str, step: int, job: str) -> None:
             f"must not save to one path: give each its own, or stop the other job"
         )
     storage.replace(f"{folder}/{CLAIM}", mine)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def verify(storage: Storage, where: str, step: int) -> None:

@@ -55,12 +55,13 @@ def clean_abandoned(root: str, job: str) -> None:
                     pids.append(int(f.read()))
             except (OSError, ValueError):
                 continue
-        if pids and not any(_process_exists(pid) for pid in pids):
+        if pids and not any(process_exists(pid) for pid in pids):
             log.info("removing shared memory of abandoned job %s", name)
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _process_exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one owned by another user counts)."""
     try:
         os.kill(pid, 0)
         return True

@@ -146,8 +146,9 @@ class LaunchContext:
         data = "".join(line + "\n" for _, line in self.buffer).encode()
         self.buffer = []
         path = os.path.join(self.events_dir, contract.events_file(self.rank, os.getpid()))
-        Access.from_env().makedirs(self.events_dir)
-        fd = Access.from_env().open(path, os.O_WRONLY | os.O_APPEND)
+        access = Access.from_env()
+        access.makedirs(self.events_dir)
+        fd = access.open(path, os.O_WRONLY | os.O_APPEND)
         try:
             os.write(fd, data)
         finally:
