@@ -127,3 +127,79 @@ def test_nccl_group_is_aborted_with_torchs_abort():
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+_JOIN_ABORTED = """
+import json, os, threading, time
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from unbroken import abort
+from unbroken.run import inprocess
+
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
+abort.begin(1)
+threading.Timer(0.5, abort.shutdown, args=(1,)).start()
+started = time.monotonic()
+try:  # rank 0 of 2: its peer never comes, only the abort can end the wait
+    inprocess._join(1, rank=0, world=2, timeout_s=60)
+    error = None
+except Exception as e:
+    error = str(e)
+waited = time.monotonic() - started
+inprocess._abandon(1)
+count = distributed_c10d._world.group_count
+abort.begin(2)
+inprocess._join(2, rank=0, world=1, timeout_s=60)
+print(json.dumps({"error": error, "waited": waited, "count": count,
+                  "name": distributed_c10d._get_default_group().group_name}))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_abort_ends_a_generations_rendezvous_and_the_next_one_names_groups_alike():
+    """A generation aborted while its ranks still wait for each other to join (a second
+    rank died meanwhile): the wait ends at once, not at the 60 s timeout, and the next
+    generation's group is named "0", as on a replacement that starts fresh (a stale name
+    made survivors and replacements wait on different rendezvous keys forever)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "UNBROKEN_IN_PROCESS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _JOIN_ABORTED], capture_output=True, text=True, timeout=50, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found["error"] is not None
+    assert found["waited"] < 10, found
+    assert found["count"] == 0 and found["name"] == "0", found
+
+
+def _group_used_after_losing_a_peer(rank: int, world: int) -> dict[str, object]:
+    import os
+
+    from unbroken.dist import Comm
+
+    comm = Comm(None, timedelta(seconds=GROUP_TIMEOUT_S))
+    assert comm.all_gather(rank) == [0, 1]
+    if rank == 1:
+        os._exit(0)  # gone, its sockets closed by the kernel
+    with pytest.raises(RuntimeError):
+        comm.all_gather("lost")
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="lost a peer earlier"):
+        comm.together("the next step", lambda: None)
+    return {"lost": comm.lost, "refused_after_s": time.monotonic() - started}
+
+
+@pytest.mark.timeout(90)
+def test_a_group_that_lost_a_peer_is_not_used_again():
+    """After a collective fails on a vanished peer, the Checkpointer's group refuses
+    further collectives at once: a rank issuing its next collective while a live peer is
+    still in an earlier one can pair two different operations, which gloo answers by
+    ending the process."""
+    found = run_ranks(_group_used_after_losing_a_peer, exits=[1])[0]
+    assert found["lost"] and found["refused_after_s"] < 1, found

@@ -89,7 +89,8 @@ class Cadence:
             return action, preempted
         mine = _ACTIONS.index(action) if self._comm.rank == 0 else 0
         flags = torch.tensor([mine, int(preempted)], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._comm.group)
+        with self._comm.wire():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._comm.group)
         return _ACTIONS[int(flags[0])], bool(flags[1])
 
     @property

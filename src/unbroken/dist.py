@@ -11,6 +11,11 @@ The checkpointer's group needs only its collectives' neighbours (rings, trees) a
 replica partners: O(world) requests in all (docs/scaling.md). Under in-process recovery
 the group stays eager: `unbroken.abort` finds a group's sockets as the group is created,
 and must, to wake collectives stuck on a failed peer.
+
+Once a collective or transfer fails because a peer is gone, the group is not used again
+(`Comm.wire`): a rank that issues its next collective while a peer is still inside an
+earlier one can pair two different operations, and gloo ends the process (std::terminate
+on "Received data size doesn't match expected size") instead of raising.
 """
 
 from __future__ import annotations
@@ -30,8 +35,13 @@ from unbroken.errors import CheckpointError
 
 T = TypeVar("T")
 
+# How gloo and torch's store say that the other end of a connection is gone.
+_GONE = ("connection closed", "connection reset", "broken pipe", "read error", "write error")
+
 
 class Comm:
+    lost: str | None = None  # how a peer was lost, once one was: no collective after that
+
     def __init__(self, group: dist.ProcessGroup | None, timeout: timedelta) -> None:
         self.group: dist.ProcessGroup | None = None
         self.rank, self.world_size = 0, 1
@@ -46,18 +56,34 @@ class Comm:
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
 
+    @contextlib.contextmanager
+    def wire(self) -> Iterator[None]:
+        """Around work on the group: refuse it once a peer was lost, and note a loss."""
+        if self.lost is not None:
+            raise CheckpointError(
+                f"the checkpointer's process group lost a peer earlier ({self.lost[:200]}); "
+                "it is not used again: restart the job, or let in-process recovery do it"
+            )
+        try:
+            yield
+        except Exception as e:
+            if lost_peer(e):
+                self.lost = str(e)
+            raise
+
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
         if self.group is None:
             return [obj]
         data = json.dumps(obj).encode()
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([len(data)]), group=self.group)
-        longest = max(int(s) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.group)
+        with self.wire():
+            dist.all_gather(sizes, torch.tensor([len(data)]), group=self.group)
+            longest = max(int(s) for s in sizes)
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(out, mine, group=self.group)
         return [json.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
 
     def broadcast(self, obj: Any) -> Any:
@@ -66,29 +92,35 @@ class Comm:
             return obj
         data = json.dumps(obj).encode() if self.rank == 0 else b""
         size = torch.tensor([len(data)])
-        dist.broadcast(size, group=self.group, group_src=0)
-        buf = torch.empty(int(size), dtype=torch.uint8)
-        if self.rank == 0:
-            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        dist.broadcast(buf, group=self.group, group_src=0)
+        with self.wire():
+            dist.broadcast(size, group=self.group, group_src=0)
+            buf = torch.empty(int(size), dtype=torch.uint8)
+            if self.rank == 0:
+                buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            dist.broadcast(buf, group=self.group, group_src=0)
         return json.loads(buf.numpy().tobytes())
 
     def broadcast_bytes(self, data: memoryview, src: int) -> None:
         """Fill ``data`` on every rank with its contents on rank ``src``."""
         if self.group is not None:
             tensor = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
-            dist.broadcast(tensor, group=self.group, group_src=src)
+            with self.wire():
+                dist.broadcast(tensor, group=self.group, group_src=src)
 
     def together(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on every rank; if it fails on any rank, raise on every rank.
 
         A rank that fails still takes part in the exchange, so the others learn of the
-        failure instead of waiting for a collective that never comes."""
+        failure instead of waiting for a collective that never comes; unless ``fn`` lost a
+        peer: then the exchange could only fail, or meet a peer still inside ``fn``."""
         error: BaseException | None = None
         try:
-            result = fn()
+            with self.wire():
+                result = fn()
         except Exception as e:
             error = e
+            if self.lost is not None:
+                raise
         errors = self.all_gather(None if error is None else str(error))
         if error is not None:
             raise error
@@ -116,3 +148,19 @@ def _lazy(on: bool) -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = before
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error``, or what caused it, says a connection to a peer is gone (or
+    that the generation was aborted because a peer failed)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e).lower()
+        if isinstance(e, dist.DistNetworkError) or any(w in text for w in _GONE):
+            return True
+        if isinstance(e, CheckpointError) and "because a peer failed" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False

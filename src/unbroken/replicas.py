@@ -47,7 +47,8 @@ def replicate(comm: Comm, memory: MemoryTier, step: int, to: list[int], sources:
 
     try:
         comm.together(f"making room for the replicas of step {step}", make_room)
-        wait(_start(ops))
+        with comm.wire():  # a transfer that lost its peer ends the group's use
+            wait(_start(ops))
         faults.point("replica-transfer")
         for slots, slot, got_header in arriving:
             slots.publish(slot, got_header.numpy().tobytes().decode())

@@ -111,7 +111,7 @@ def in_process(train: Callable[[], T], *, timeout_s: float = 60.0, wait_s: float
         abort.begin(generation)
         watcher.watch(generation)
         try:
-            _join(store, generation, rank, world, timeout_s)
+            _join(generation, rank, world, timeout_s)
         except Exception as e:  # a rank of this generation died before it joined
             error = str(e)
             _report(store, generation, rank)
@@ -150,11 +150,19 @@ def _report(store: Any, generation: int, rank: int) -> None:
         announce(store)
 
 
-def _join(store: Any, generation: int, rank: int, world: int, timeout_s: float) -> None:
+def _join(generation: int, rank: int, world: int, timeout_s: float) -> None:
     """Initialise the default group of ``generation`` on its own store prefix, with its
-    sockets tracked so that an abort can shut them down."""
+    sockets tracked so that an abort can shut them down.
+
+    The rendezvous waits on a store connection of its own, tracked too: when the
+    generation is aborted while ranks still wait for each other (another rank died
+    meanwhile), the wait ends at once instead of at its timeout, which would keep this
+    rank out of the next generation until the ranks waiting there had timed out."""
     import torch.distributed as dist
 
+    with abort.tracking():
+        store = _connect(timeout_s)
+    abort.check(f"joining generation {generation}")  # aborted before the connection counted
     with abort.tracking():
         dist.init_process_group(
             "gloo",
@@ -214,6 +222,11 @@ def _abandon(generation: int) -> None:
     # operation stuck until its timeout blocks. A kept group costs two idle threads.
     _keep_forever(list(distributed_c10d._world.pg_map))
     _teardown()
+    # Groups are named by a per-process counter, and their rendezvous keys by the name.
+    # A join that failed counted its group without registering it, so no teardown
+    # resets the counter: this rank would name the next generation's groups "1", "2"...
+    # while its replacements start from "0", and each side would wait for the other.
+    distributed_c10d._world.group_count = 0
     gc.collect()  # the old generation's model, optimizer and DDP reducers, in cycles
 
 

@@ -330,6 +330,8 @@ class Supervisor:
                     pid=w.proc.pid,
                     code=code,
                 )
+            else:  # its heartbeats said it exited first; the code says how
+                self.timeline.add("exit_code", rank=w.rank, code=code)
         if dead:
             self.recover(sorted(w.rank for w in dead))
 
