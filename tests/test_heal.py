@@ -86,6 +86,28 @@ def test_killed_rank_heals_from_live_replicas_bitwise(tmp_path, reference):
     print(f"\n{fault}: {json.dumps(rec)}\nrun {run['seconds']:.1f} s")
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_lost_while_healing_another_is_replaced_too_bitwise(tmp_path, reference):
+    """A second failure during a recovery: rank 0 dies as it is about to heal rank 3's
+    replacement. Generation 1 is aborted while its ranks heal or still join, generation
+    2 replaces rank 0 as well, ranks 1 and 2 keep their processes throughout and heal
+    both from live replicas (their partners, 3 and 2, hold the lost ranks' records), and
+    training ends bitwise equal to an uninterrupted run."""
+    fault = "kill rank=3 step=9;crash point=heal rank=0 hit=1"
+    run = launch(tmp_path, "--in-process", "--simulate-nodes=2", "--nproc-per-node=2",
+                 f"--inject-fault={fault}")  # fmt: skip
+    assert run["params"] == reference["params"]
+    assert [r["respawned"] for r in run["timeline"]["recoveries"]] == [[3], [0]]
+    for rank in range(WORLD):
+        mine = sorted((s for s in run["starts"] if s["rank"] == rank),
+                      key=lambda s: s["seen_generation"])  # fmt: skip
+        assert mine[-1]["seen_generation"] == 2 and mine[-1]["restored"] == 9, mine
+        assert mine[-1]["origins"] == ["live"] * WORLD, mine
+        kept = mine[0]["pid"] == mine[-1]["pid"]
+        assert kept == (rank in (1, 2)), mine
+    print(f"\n{fault}: {json.dumps(run['timeline']['recoveries'])}")
+
+
 @pytest.mark.timeout(150)
 def test_restart_all_at_4_ranks_is_bitwise(tmp_path, reference):
     """Plain `unbroken run`: every worker restarts and builds a new DDP wrapper, which

@@ -255,7 +255,9 @@ def event(name: str, **fields: Any) -> None:
 
 
 def _before_crash(point: str, hit: int) -> None:
-    event("fault", kind="crash", point=point, hit=hit)
+    ctx = current()
+    spec = f"crash point={point} rank={ctx.rank} hit={hit}"
+    event("fault", kind="crash", spec=spec, step=ctx.last_step, point=point, hit=hit)
     flush()
 
 
