@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,9 @@ from recovery_scenarios import PHASES, RecoveryConfig, Scenario
 
 NODE_TIMEOUT_S = 1.0
 JOB_TIMEOUT_S = 300.0
+# As a deployment across machines must: every store connection passes the coordinator's
+# gate (the coordinator and the agents inherit it).
+os.environ.setdefault("UNBROKEN_JOB_SECRET", secrets.token_hex(32))
 
 
 def start_coordinator(where: Path) -> tuple[subprocess.Popen[str], int]:

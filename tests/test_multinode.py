@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,8 @@ STEPS = 24
 SAVE_EVERY = 10
 NODES, LOCAL = 2, 2
 TRAIN = Path(__file__).with_name("train_job.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# The coordinator and the agents share a secret: every store connection passes the gate.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_JOB_SECRET": secrets.token_hex(32)}
 
 
 def log_fd(path: Path) -> int:

@@ -33,9 +33,10 @@ import time
 import uuid
 from datetime import timedelta
 
-from unbroken.run import contract
+from unbroken.run import contract, gate
 from unbroken.run.args import RunOptions
 from unbroken.run.coordinator import ping
+from unbroken.run.listen import LOOPBACK
 from unbroken.run.news import Listener, announce
 from unbroken.run.procs import descendants, kill_tree
 from unbroken.run.spare import Spares
@@ -75,6 +76,7 @@ class NodeAgent(Supervisor):
         self.nodes = int(str(targs.nnodes).split(":")[-1])
         self.world = self.nodes * self.local
         self.host, self.port = endpoint(targs)
+        self.relay: gate.Relay | None = None  # to the coordinator's gate, with a secret
         given = any(o.split("=")[0] in ("--node-rank", "--node_rank") for o in opts.torchrun_opts)
         self.wanted: int | None = int(targs.node_rank) if given else None
         self.slot = -1
@@ -109,17 +111,20 @@ class NodeAgent(Supervisor):
 
         where = f"{self.host}:{self.port}"
         try:
+            self.relay = gate.relay_to(self.host, self.port, self.opts.ours.secret_file)
+        except (gate.GateError, OSError) as e:
+            raise SystemExit(f"unbroken run: {e}") from None
+        if self.relay is not None:  # every connection to the coordinator passes its gate
+            self.host, self.port = LOOPBACK, self.relay.port
+        try:
             self.store = dist.TCPStore(
-                self.host,
-                self.port,
-                is_master=False,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=60),
+                self.host, self.port, timeout=timedelta(seconds=60), wait_for_workers=False
             )
         except Exception as e:
+            why = e if self.relay is None or self.relay.failure is None else self.relay.failure
             raise SystemExit(
-                f"unbroken run: cannot reach the coordinator at {where} ({e}); start "
-                f"`unbroken coordinator --port {self.port}` there first"
+                f"unbroken run: cannot reach the coordinator at {where} ({why}); start "
+                f"`unbroken coordinator` there first, with this node's ${gate.SECRET_ENV}"
             ) from None
         self._join_job()
         if self.opts.ours.warm_spare:

@@ -64,7 +64,13 @@ MULTI_NODE_ALLOWED = {
     "--master-port",
     "--master_port",
 }
-_TAKES_VALUE = {"--inject-fault", "--heartbeat-timeout", "--simulate-nodes", "--timeline-json"}
+_TAKES_VALUE = {
+    "--inject-fault",
+    "--heartbeat-timeout",
+    "--simulate-nodes",
+    "--timeline-json",
+    "--secret-file",
+}
 _FLAGS = {"--in-process", "--warm-spare"}
 
 
@@ -123,6 +129,12 @@ def _our_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --in-process: keep a standby worker per node with torch imported (a "
         "node agent without --node-rank, a standby node, keeps one per local rank)",
+    )
+    p.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="across machines: the job's shared secret, as the coordinator's (default: "
+        "$UNBROKEN_JOB_SECRET); the node talks to the coordinator through its gate",
     )
     return p
 

@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Any
 
-from unbroken.run import contract, listen
+from unbroken.run import contract, gate, listen
 from unbroken.run.listen import LOOPBACK
 from unbroken.run.news import Listener, announce
 
@@ -219,14 +219,25 @@ def ping(store: Any, agent: str) -> None:
 
 
 def serve(
-    host: str, port: int, node_timeout: float, suspect_timeout: float, exit_when_done: bool
+    host: str,
+    port: int,
+    node_timeout: float,
+    suspect_timeout: float,
+    exit_when_done: bool,
+    secret: bytes | None,
 ) -> int:
-
-    store = listen.store(host, port)
+    """Host the job's store on ``host:port``: behind a `gate.Gate` if the job has a
+    ``secret`` (the store itself then listens on loopback only), else directly."""
+    if secret is None:
+        store = listen.store(host, port)
+        local, listening = (LOOPBACK if host in ("0.0.0.0", "::") else host), store.port
+    else:
+        store = listen.store(LOOPBACK, 0)
+        local, listening = LOOPBACK, gate.Gate(host, port, store.port, secret).port
     store.add(contract.GENERATION_KEY, 0)
-    print(f"unbroken coordinator: listening on {host}:{store.port}", flush=True)
+    print(f"unbroken coordinator: listening on {host}:{listening}", flush=True)
     coordinator = Coordinator(store, node_timeout, suspect_timeout)
-    coordinator.news = Listener(LOOPBACK if host in ("0.0.0.0", "::") else host, store.port)
+    coordinator.news = Listener(local, store.port)
     try:
         while coordinator.poll() or not exit_when_done:
             time.sleep(POLL_S)
@@ -245,8 +256,20 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--host",
         default="0.0.0.0",
-        help="the one address to listen on (default: all); let only the job's nodes reach "
-        "it (docs/kubernetes.md)",
+        help="the one address to listen on (default: all); beyond loopback, only with the "
+        f"job's secret (${gate.SECRET_ENV} or --secret-file) or --insecure",
+    )
+    p.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help=f"the job's shared secret (default: ${gate.SECRET_ENV}), readable by its owner "
+        "only; every node gives the same one",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen beyond loopback with no secret: anyone who reaches the port can read "
+        "and change the job's store",
     )
     p.add_argument("--port", type=int, default=29400, help="TCP port (0: any free one)")
     p.add_argument(
@@ -272,7 +295,17 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.node_timeout <= 0 or a.suspect_timeout <= 0:
         p.error("--node-timeout and --suspect-timeout must be positive")
-    return serve(a.host, a.port, a.node_timeout, a.suspect_timeout, a.exit_when_done)
+    try:
+        secret = gate.job_secret(a.secret_file)
+    except (gate.GateError, OSError) as e:
+        p.error(str(e))
+    if secret is None and not a.insecure and a.host not in (LOOPBACK, "localhost", "::1"):
+        p.error(
+            f"--host {a.host} without a secret would let anyone who reaches the port read "
+            f"and change the job's store: set ${gate.SECRET_ENV} (`openssl rand -hex 32`, "
+            "the same on every node) or --secret-file, or pass --insecure"
+        )
+    return serve(a.host, a.port, a.node_timeout, a.suspect_timeout, a.exit_when_done, secret)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@ it has no authentication: anyone who reaches its port can read and write the job
 (generation, abort flags, process-group addresses). So unbroken binds the listening
 socket itself, to the one address the job needs, and hands it to the store: the
 launcher's store (`unbroken run`, one machine) on loopback, where only the job's own
-processes on that machine can reach it; the coordinator (`unbroken coordinator`) on the
-address given by ``--host``, which a network policy then restricts to the job's nodes
-(docs/kubernetes.md, "Who can reach the store").
+processes on that machine can reach it; the coordinator's store (`unbroken coordinator`)
+on loopback too, behind a gate on ``--host`` that lets in only holders of the job's
+secret (`unbroken.run.gate`; docs/kubernetes.md, "Who can reach the store").
 """
 
 from __future__ import annotations
