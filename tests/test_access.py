@@ -19,7 +19,9 @@ import torch
 
 from unbroken import Checkpointer, CheckpointError, Progress
 from unbroken.access import GROUP_ENV, Access
+from unbroken.goodput.rundir import new_dir
 from unbroken.memory import MemoryTier
+from unbroken.run.timeline import Timeline
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,6 +44,8 @@ def _save_everything(base: Path) -> None:
         code = "from unbroken.run.worker import event; event('probe', ok=1)"
         env = {**os.environ, "UNBROKEN_EVENTS_DIR": str(base / "events" / "run")}
         subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+        run = new_dir()  # the launcher's run directory, under $XDG_STATE_HOME
+        Timeline(log=str(run / "launcher.jsonl")).add("probe")
     finally:
         os.umask(old)
 
@@ -49,7 +53,7 @@ def _save_everything(base: Path) -> None:
 def _created(base: Path) -> Iterator[tuple[str, int]]:
     """``(path, mode)`` of everything the job created under ``base`` (the node-wide
     shared-memory root, like /tmp, is world-writable and sticky on purpose)."""
-    for top in ("ckpt", "shm/j", "events/run"):
+    for top in ("ckpt", "shm/j", "events/run", "state"):
         for folder, _dirs, files in os.walk(base / top):
             yield folder, os.stat(folder).st_mode
             for name in files:
@@ -61,6 +65,8 @@ def _created(base: Path) -> Iterator[tuple[str, int]]:
 def test_everything_created_is_private_whatever_the_umask(tmp_path, monkeypatch, group):
     if group:
         monkeypatch.setenv(GROUP_ENV, "1")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("UNBROKEN_RUN_DIR", raising=False)
     _save_everything(tmp_path)
     access = Access(group=group)
     seen = {"dir": 0, "file": 0}
@@ -70,7 +76,7 @@ def test_everything_created_is_private_whatever_the_umask(tmp_path, monkeypatch,
         assert mode & 0o7777 == want, f"{path}: {oct(mode & 0o7777)}, expected {oct(want)}"
         seen[kind] += 1
     names = {os.path.basename(p) for p, _ in _created(tmp_path)}
-    assert {"slot-0.bin", "slot-0.json", "owner-00000", "manifest.json"} <= names
+    assert {"slot-0.bin", "slot-0.json", "owner-00000", "manifest.json", "launcher.jsonl"} <= names
     assert any(n.startswith("events-") for n in names), names
     assert seen["dir"] >= 5 and seen["file"] >= 6, seen
     assert os.stat(tmp_path / "shm").st_mode & 0o7777 == 0o1777

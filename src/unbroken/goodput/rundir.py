@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from unbroken.access import Access
 from unbroken.run import contract
 
 TRANSIENT = (contract.HEARTBEAT_PREFIX, contract.FIRED_PREFIX, contract.KILL_NODE_PREFIX, ".")
@@ -41,7 +42,9 @@ def new_dir() -> Path:
             )
     else:
         path = default_root() / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    path.mkdir(parents=True, exist_ok=True)
+    # The job's user's alone (0700, or 0770 with group access): the events name hosts,
+    # pids and paths, and heartbeats written here steer the launcher's watchdog.
+    Access.from_env().makedirs(str(path))
     return path
 
 

@@ -14,10 +14,13 @@ One `Timeline` serves both modes; its ``mode`` picks how events become recoverie
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from unbroken.access import Access
 
 Event = dict[str, Any]
 Recovery = dict[str, Any]
@@ -46,7 +49,8 @@ class Timeline:
         when = time.time() if t is None else t
         self.record(event, message, when, **kw)
         if self.log is not None:
-            with open(self.log, "a") as f:
+            fd = Access.from_env().open(self.log, os.O_WRONLY | os.O_APPEND)
+            with os.fdopen(fd, "a") as f:
                 f.write(json.dumps({"event": event, "t": when, **kw}) + "\n")
 
     def record(self, event: str, message: str | None, t: float, **kw: Any) -> None:
