@@ -39,15 +39,16 @@ def _job(rank: int, world: int, path: str, action: str) -> dict:
         error = f"{type(e).__name__}: {e}"
     marks = {s: suspect(ckpt.storage, step_dir(s)) for s in (1, 2)}
     ckpt.close()
-    return {"error": error, "marks": marks}
+    restored = Checkpointer(path).restore(state) if action == "suspect" else None
+    return {"error": error, "marks": marks, "restored": restored}
 
 
-def _events(folder: str) -> list[dict]:
+def _events(folder: str, kind: str = "sdc") -> list[dict]:
     rows = []
     for name in glob.glob(os.path.join(folder, "events-*.jsonl")):
         with open(name) as f:
             rows += [json.loads(line) for line in f]
-    return [r for r in rows if r.get("event", r.get("name")) == "sdc"]
+    return [r for r in rows if r.get("event", r.get("name")) == kind]
 
 
 @pytest.mark.parametrize("action", ["warn", "refuse", "suspect"])
@@ -77,6 +78,10 @@ def test_one_rank_s_corrupted_parameter_is_named_and_handled(tmp_path, monkeypat
                  for n in (1, 2)}  # fmt: skip
         assert "SUSPECT" in shown[2].stdout and "model/weight" in shown[2].stdout, shown[2]
         assert shown[1].returncode == 0 and "SUSPECT" not in shown[1].stdout
+        # Restoring the suspect step says so, once (rank 0), and still restores it.
+        assert r0["restored"] == r1["restored"] == 2
+        [told] = _events(str(events), "suspect_restored")
+        assert told["step"] == 2 and "model/weight" in told["report"]
     else:
         assert r0["marks"][2] is None
 

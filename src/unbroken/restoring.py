@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from unbroken import replicas
+from unbroken import replicas, sdc
 from unbroken.backup import Backup
 from unbroken.choosing import Choice, choose, fell_back
 from unbroken.directory import Directory
@@ -88,6 +88,8 @@ def restore(
             return None
         try:
             restored = _load(ctx, state, choice, strict)
+            if choice.from_storage and ctx.comm.rank == 0:
+                sdc.restored(ctx.directory.storage, choice.step)
             damaged = tuple(Origin(kind, s) for kind, s in sorted(rejected))  # type: ignore[arg-type]
             return replace(restored, damaged=damaged)
         except Exception as e:  # on every rank: each stage fails everywhere or nowhere

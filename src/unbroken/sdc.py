@@ -147,3 +147,19 @@ def report(storage: object, step: int) -> str | None:
     where = ", ".join(f"{r['tensor']} ({r['values']})" for r in rows[:3])
     more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
     return f"step {step}: data-parallel replicas differed when saved: {where}{more}"
+
+
+def restored(storage: object, step: int) -> None:
+    """A restore loaded ``step`` from ``storage``: if it was saved as suspect, say so
+    (warning and event); the restore stands, as the save did."""
+    try:
+        line = report(storage, step)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged or forged mark
+        line = f"step {step}: its {SUSPECT} is unreadable ({e})"
+    if line is not None:
+        log.warning(
+            "restore: %s; restored anyway. Unless the difference is expected, restore an "
+            "earlier step (`unbroken ls`, `restore(state, step=N)`)",
+            line,
+        )
+        event("suspect_restored", step=step, report=line[:500])
