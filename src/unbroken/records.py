@@ -18,6 +18,7 @@ nothing received runs code.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import threading
 from collections.abc import Mapping
@@ -79,13 +80,17 @@ class Record:
 
     @classmethod
     def decode(cls, data: bytes, where: str) -> Record:
-        """A received record, checked whole: `CheckpointError` naming ``where`` if not."""
+        """A received record, checked whole before anything in it is used or allocated:
+        `CheckpointError` naming ``where`` if it is malformed or fails its checksum."""
         try:
             (size,) = struct.unpack_from("<Q", data)
+            if size > len(data) - 8:
+                raise ValueError(f"a header of {size} bytes in {len(data)}")
             header = json.loads(data[8 : 8 + size])
             payload = memoryview(data)[8 + size :]
-            ok = isinstance(header, dict) and checksum(payload) == header["xxh3"]
-        except (struct.error, ValueError, KeyError, TypeError) as e:
+            _check_header(header, len(payload), where)
+            ok = checksum(payload) == header["xxh3"]
+        except (struct.error, ValueError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointError(f"the step record from {where} is not readable: {e}") from e
         if not ok:
             raise CheckpointError(f"the step record from {where} fails its checksum")
@@ -101,6 +106,34 @@ class Record:
             byte_view(t)[:] = self.data[offset : offset + n]
             found[key], offset = t, offset + n
         return found
+
+
+def _check_header(header: Any, payload: int, where: str) -> None:
+    """Raise ValueError unless ``header`` has the fields a record needs, of their types,
+    and its tensor table describes exactly the ``payload`` bytes that follow it (so
+    decoding never allocates more than was received)."""
+    fields = {"step": int, "rank": int, "tree": dict, "tensors": list, "fingerprint": str,
+              "xxh3": str}  # fmt: skip
+    if not isinstance(header, dict):
+        raise ValueError("the header is not an object")
+    for name, kind in fields.items():
+        if not isinstance(header.get(name), kind) or isinstance(header.get(name), bool):
+            raise ValueError(f"field {name!r} is missing or not a {kind.__name__}")
+    total = 0
+    for entry in header["tensors"]:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+            raise ValueError(f"tensor entry {str(entry)[:80]} is not [name, dtype, shape]")
+        key, dtype, shape = entry
+        size = torch_dtype(dtype, f"the step record from {where}: {key}").itemsize
+        if not (isinstance(shape, list) and len(shape) <= 64) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 48 for n in shape
+        ):
+            raise ValueError(f"tensor {key!r} has an impossible shape {str(shape)[:80]}")
+        total += math.prod(shape) * size
+        if total > payload:
+            break
+    if total != payload:
+        raise ValueError(f"its tensors need {total} bytes, it carries {payload}")
 
 
 def fingerprint(state: Mapping[str, Any]) -> str:
