@@ -94,3 +94,35 @@ def _detected(path: Path, case: tuple[str, str], relative: str) -> None:
     assert damage and all(d.file == SHARD for d in damage), damage
     if (target, how) in (("data", "flip"), ("header", "flip")):
         assert any(d.tensor in ("a", "b") or "header" in d.problem for d in damage), damage
+
+
+# A shared-memory slot's description (slot-N.json: job, rank, the snapshot's manifest):
+# damaged or forged, the slot does not count, and restore takes storage's older step.
+DESCRIPTION = {
+    "flip": lambda p: _flip(p, 30),
+    "truncate": lambda p: os.truncate(p, 20),
+    "delete": os.remove,
+    "not an object": lambda p: p.write_text("[1, 2]"),
+    "deep nesting": lambda p: p.write_text('{"job": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+    "manifest not text": lambda p: p.write_text('{"job": "j", "rank": 0, "manifest": 5}'),
+    "non-UTF-8": lambda p: p.write_bytes(b"\xff\xfe{" + p.read_bytes()),
+}
+
+
+@pytest.mark.parametrize("how", sorted(DESCRIPTION))
+def test_a_damaged_snapshot_description_is_passed_over_for_storage(tmp_path, how) -> None:
+    def make() -> Checkpointer:
+        return Checkpointer(tmp_path / "ckpt", memory=True, memory_dir=str(tmp_path / "shm"))
+
+    ckpt = make()
+    ckpt.save(1, _state(1.0))
+    ckpt.snapshot(2, _state(2.0))
+    ckpt.close()
+    [description] = (tmp_path / "shm").glob("*/rank-00000/slot-*.json")
+    DESCRIPTION[how](description)
+    live = _state(-1.0)
+    restored = make()
+    assert restored.restore(live) == 1
+    assert restored.last_restore is not None and restored.last_restore.origin.kind == "storage"
+    assert all(torch.equal(live[k], v) for k, v in _state(1.0).items())
+    restored.close()

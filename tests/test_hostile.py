@@ -384,3 +384,22 @@ def test_fuzzed_records_fail_cleanly(data: st.DataObject) -> None:
     raw = raw[: data.draw(st.integers(0, len(raw)))]
     with contextlib.suppress(CheckpointError):
         Record.decode(bytes(raw), "rank 1").tensors()
+
+
+@settings(max_examples=FUZZ, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_fuzzed_snapshot_descriptions_fail_cleanly(data: st.DataObject) -> None:
+    """A shared-memory slot's description with any field replaced by any JSON value, or
+    arbitrary bytes: read (and its manifest parsed) or ValueError/CheckpointError only."""
+    from unbroken.validate import snapshot_description
+
+    good_manifest = json.dumps(good())
+    if data.draw(st.booleans()):
+        raw = data.draw(st.binary(max_size=200))
+    else:
+        fields: dict[str, Any] = {"job": "j", "rank": 0, "manifest": good_manifest}
+        fields[data.draw(st.sampled_from([*fields, "extra"]))] = data.draw(json_values)
+        raw = json.dumps(fields).encode()
+    with contextlib.suppress(ValueError, CheckpointError):
+        _, _, text = snapshot_description(raw)
+        Manifest.from_json(text, "slot-0.json")

@@ -38,6 +38,7 @@ from unbroken.format import Chunk, Manifest, TensorEntry, checksum, dtype_name, 
 from unbroken.memory_paths import clean_abandoned, rank_of, safe, shared_root
 from unbroken.placement import partners, replica_layout
 from unbroken.shards import byte_view, packed
+from unbroken.validate import snapshot_description
 
 __all__ = ["OWN_SLOTS", "Block", "Copied", "MemoryTier", "Slots", "copy", "partners",
            "replica_layout", "seal"]  # fmt: skip
@@ -137,8 +138,8 @@ class Slots:
                 manifest = self._load(slot)
                 if manifest is None:
                     continue
-                with open(self._path(slot, "json")) as f:
-                    published = (manifest.step, json.load(f)["manifest"])
+                with open(self._path(slot, "json"), "rb") as f:
+                    published = (manifest.step, snapshot_description(f.read())[2].decode())
             if published[0] == step:
                 buffer = self._buffers.get(slot)
                 return published[1], buffer if buffer is not None else self._map(slot)
@@ -188,12 +189,12 @@ class Slots:
     def _load(self, slot: int) -> Manifest | None:
         where = self._path(slot, "json")
         try:
-            with open(where) as f:
-                header = json.load(f)
-            manifest = Manifest.from_json(header["manifest"].encode(), where)
-        except (FileNotFoundError, ValueError, KeyError, TypeError, CheckpointError):
+            with open(where, "rb") as f:
+                job, rank, text = snapshot_description(f.read())
+            manifest = Manifest.from_json(text, where)
+        except (OSError, ValueError, CheckpointError):  # missing, unreadable, malformed
             return None
-        owner = (header.get("job"), header.get("rank"), manifest.world_size)
+        owner = (job, rank, manifest.world_size)
         if owner != (self.job, self.owner, self.world_size):
             log.warning("ignoring %s: it belongs to (job, rank, world) %s", where, owner)
             return None

@@ -212,6 +212,17 @@ def info_fields(data: bytes) -> tuple[float, float | None]:
     return float(created), metric
 
 
+def snapshot_description(data: bytes) -> tuple[str, int, bytes]:
+    """``(job, rank, manifest JSON)`` from a shared-memory slot's description
+    (``slot-N.json``). ValueError if malformed: the slot then does not count. The
+    manifest itself is validated by `Manifest.from_json`, as any manifest is."""
+    raw = _small_json(data, "the snapshot description")
+    job, rank, manifest = raw.get("job"), raw.get("rank"), raw.get("manifest")
+    if not (isinstance(job, str) and type(rank) is int and isinstance(manifest, str)):
+        raise ValueError("the snapshot description lacks its job, rank or manifest")
+    return job, rank, manifest.encode()
+
+
 MAX_HEADER = 100 << 20  # the safetensors reference reader's own limit
 
 
