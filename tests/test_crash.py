@@ -64,6 +64,18 @@ def test_killed_anywhere_in_an_s3_save_restores_a_committed_step_bitwise(bucket,
     _check(_harness(uri, options, n, seed=2, timeout=220), n)
 
 
+@pytest.mark.timeout(240)
+def test_killed_anywhere_in_a_save_to_ceph_rgw_restores_a_committed_step_bitwise(
+    rgw_bucket, trials
+):
+    """The same trials on a second S3 server, Ceph's (conditional commit, multipart and
+    listing as a production object store does them), beside moto's (not counted in
+    ``--trials``: a tenth as many)."""
+    uri, options = rgw_bucket
+    n = max(1, trials // 10)
+    _check(_harness(uri, options, n, seed=3, timeout=220), n)
+
+
 # -- crash points themselves ------------------------------------------------------------
 
 
