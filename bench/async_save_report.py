@@ -249,7 +249,8 @@ def print_tables(cfg: DiskConfig, speed: list[Row], memory: list[Row]) -> None:
     left = ("measure", "method", "target")
     table = new_table(
         f"{cfg.ranks} ranks x {cfg.mib_per_rank} MiB, {cfg.repeats} repeats, {cfg.dir}",
-        "slowest rank; first = first call, best/median = later calls; blocking: until "
+        "slowest rank; first = first call (3 s after Checkpointer.prepare, as after a script's "
+        "first steps), best/median = later calls; blocking: until "
         "save returns; durable: until committed (fsynced), aggregate GiB/s; slowdown: mean "
         "step time while a save persists vs none just before; lost: step time beyond that "
         "baseline, summed over the save. 2 ranks train on 2 cores: a save's threads and the "
