@@ -4,7 +4,7 @@ the S3 connector for PyTorch's DCP writer and reader, next to the raw limit of t
 unbroken uses (obstore), plus unbroken's restore read modes on a replicated (DDP-like) state,
 all measured in one run.
 
-    python bench/s3.py                        # Ceph RGW, 2 ranks x 256 MiB, 3 repeats
+    python bench/s3.py                        # Ceph RGW, 2 ranks x 256 MiB, 7 repeats
     python bench/s3.py --mib-per-rank 16 --repeats 1 --server moto    # smoke, under 40 s
     python bench/s3.py --endpoint http://host:port --access-key K --secret-key S   # yours
 
@@ -13,9 +13,12 @@ one in-memory OSD, radosgw), or moto's S3 server in this process (``--server mot
 existing one (``--endpoint``). Each rank is a real process in a gloo group and holds a
 different shard (per-rank keys and data, as in bench/save_load.py), so every method moves
 ranks x MiB. Throughput is aggregate: the bytes of all ranks / wall time of the slowest rank,
-clocks started after a barrier. Methods are interleaved (order rotates each repeat); objects
-are deleted after each method (the OSD keeps everything in RAM). Best and median of the
-repeats are reported. Every restore is compared with the saved bytes; a mismatch aborts.
+clocks started after a barrier. Methods are interleaved (order rotates each repeat), and
+unbroken runs beside the raw limit op by op (PUT, save; GET, restore; who goes first
+alternating), after an untimed warm-up round; objects are deleted after each method (the
+OSD keeps everything in RAM). Best and median of the repeats are reported, and fractions
+of the limit are the median of each repeat's ratio. Every restore is compared with the
+saved bytes; a mismatch aborts.
 
 Methods:
 
@@ -75,7 +78,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--mib-per-rank", type=int, default=256)
     parser.add_argument("--replicated-mib", type=int, help="default: --mib-per-rank")
-    parser.add_argument("--repeats", type=int, default=3, help="best and median are reported")
+    parser.add_argument("--repeats", type=int, default=7, help="best and median are reported")
     parser.add_argument("--server", choices=("rgw", "moto"), default="rgw")
     parser.add_argument("--endpoint", help="an existing S3 server instead (http://host:port)")
     parser.add_argument("--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID"))
@@ -152,7 +155,8 @@ def start_server(
     rgw = start_rgw(stack, Path(workdir) / "rgw", memstore)
     daemons = daemon_pids(rgw.directory)
     print(f"Ceph RGW up in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    server = Server("rgw", rgw.endpoint, rgw.access_key, rgw.secret_key, bucket, rgw.region)
+    conf = str(rgw.directory / "ceph.conf")
+    server = Server("rgw", rgw.endpoint, rgw.access_key, rgw.secret_key, bucket, rgw.region, conf)
     return server, f"Ceph RGW {ceph_version()} (memstore OSD, in RAM) on loopback", daemons
 
 

@@ -25,7 +25,6 @@ from common import (
     GIB,
     MIB,
     as_bytes,
-    flat_views,
     hand_back,
     join_gloo,
     leave_group,
@@ -34,7 +33,15 @@ from common import (
     timed,
     verify,
 )
-from s3_clients import Connector, FetchCounter, Server, boto3_client, delete_prefix, reason_of
+from s3_clients import (
+    Connector,
+    FetchCounter,
+    Server,
+    boto3_client,
+    collect_garbage,
+    delete_prefix,
+    reason_of,
+)
 from unbroken.coalesce import MIN_PIECE
 from unbroken.shards import FILE_BYTES
 from unbroken.storage.s3 import S3Options, S3Storage, upload_parts
@@ -89,9 +96,7 @@ class S3Rank:
         self.tensors = list(self.state["model"].values())
         self.nbytes = sum(t.nbytes for t in self.tensors)
         # reference copy (never written again), touched before timing; the raw limit PUTs it
-        self.reference = torch.empty(self.nbytes, dtype=torch.uint8)
-        for t, view in zip(self.tensors, flat_views(self.reference, self.tensors), strict=True):
-            view.copy_(as_bytes(t))
+        self.reference = torch.cat([as_bytes(t) for t in self.tensors])
         self.scratch = torch.zeros(self.nbytes, dtype=torch.uint8)  # the raw GETs land here
         self.replicated = replicated_state(cfg.replicated_bytes)
         self.rep_tensors = list(self.replicated["model"].values())
@@ -115,6 +120,7 @@ class S3Rank:
         self.fetched_bytes: dict[str, list[int]] = {}
         self.small_get_ms: list[float] = []
         self.requests: dict[str, dict[str, int]] = {}  # unbroken's last save and restore
+        self.restored: list[int | None] = []  # what unbroken's last restore returned
         self.connector: dict[str, Any] = {}  # where the connector runs, or why not
         self.dcp: Connector | None = None  # the one the connector rows use
         self.dcp_s3 = self.s3  # a boto3 client on the same server, to delete its objects
@@ -131,9 +137,11 @@ class S3Rank:
         dist.barrier()
 
     def clear(self, prefix: str, client: Any = None, bucket: str | None = None) -> None:
-        """Delete every object under ``prefix`` (rank 0) before the next clock starts."""
+        """Delete every object under ``prefix`` (rank 0), and have the server reclaim
+        them, before the next clock starts."""
         if self.rank == 0:
             delete_prefix(client or self.s3, bucket or self.cfg.server.bucket, prefix)
+            collect_garbage(self.cfg.server)
         dist.barrier()
 
     def all_agree(self, ok: bool) -> bool:
@@ -143,7 +151,30 @@ class S3Rank:
 
     # -- methods ---------------------------------------------------------------------
 
-    def raw_limit(self, rep: int) -> None:
+    def raw_and_unbroken(self, rep: int) -> None:
+        """The raw limit and unbroken back to back, op by op (PUT beside save, GET beside
+        restore), who goes first alternating: each of unbroken's samples has a raw one
+        taken under the same conditions, which the report divides it by."""
+        step = 1000 + rep
+        raw_put, raw_get = self.raw_ops()
+        pairs = [(raw_put, lambda: self.unbroken_save(step)), (raw_get, self.unbroken_restore)]
+        for raw, ours in pairs:
+            for run in (ours, raw) if rep % 2 else (raw, ours):
+                run()
+        if self.restored != [step]:
+            raise AssertionError(f"unbroken restore returned step {self.restored}, saved {step}")
+        if self.rank == 0:  # the latency a small read pays (untimed, one at a time)
+            import obstore
+
+            for i in range(SMALL_GETS):
+                start = time.perf_counter()
+                obstore.get_range(self.raw_store, "rank0.0", start=i * SMALL, length=SMALL)
+                self.small_get_ms.append((time.perf_counter() - start) * 1000)
+        self.clear("raw/")
+        self.clear("unbroken/")
+
+    def raw_ops(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        """The raw PUT and the raw GET of this rank's bytes, each timed and recorded."""
         import obstore
 
         store, data = self.raw_store, self.reference.numpy().data
@@ -153,24 +184,20 @@ class S3Rank:
             for i, off in enumerate(range(0, self.nbytes, FILE_BYTES))
         ]
 
-        def put() -> None:
-            def one(obj: tuple[str, int, int]) -> None:
-                key, off, n = obj
-                count, part = upload_parts(n, PART)  # unbroken's parts for the same size
-                # fed part by part, so the client copies each while earlier ones upload,
-                # as it does unbroken's tensors (one buffer would be copied whole first)
-                pieces = [data[off + s : off + min(s + part, n)] for s in range(0, n, part)]
-                obstore.put(
-                    store,
-                    key,
-                    iter(pieces),
-                    use_multipart=count > 1,
-                    chunk_size=part,
-                    max_concurrency=CONCURRENCY,
-                )
-
-            with ThreadPoolExecutor(len(objects)) as threads:
-                list(threads.map(one, objects))
+        def put_one(obj: tuple[str, int, int]) -> None:
+            key, off, n = obj
+            count, part = upload_parts(n, PART)  # unbroken's parts for the same size
+            # fed part by part, so the client copies each while earlier ones upload,
+            # as it does unbroken's tensors (one buffer would be copied whole first)
+            pieces = [data[off + s : off + min(s + part, n)] for s in range(0, n, part)]
+            obstore.put(
+                store,
+                key,
+                iter(pieces),
+                use_multipart=count > 1,
+                chunk_size=part,
+                max_concurrency=CONCURRENCY,
+            )
 
         out = self.scratch.numpy().data
         # unbroken's GET size for this many bytes (coalesce.rules_for): the part size, or
@@ -182,48 +209,46 @@ class S3Rank:
             for start in range(0, n, length)
         ]
 
+        def get_one(piece: tuple[str, int, int, int]) -> None:
+            key, start, at, n = piece
+            out[at : at + n] = obstore.get_range(store, key, start=start, length=n)
+
+        def put() -> None:
+            with ThreadPoolExecutor(len(objects)) as threads:
+                self.record("raw_put", timed(lambda: list(threads.map(put_one, objects))))
+
         def get() -> None:
-            def one(piece: tuple[str, int, int, int]) -> None:
-                key, start, at, n = piece
-                out[at : at + n] = obstore.get_range(store, key, start=start, length=n)
+            self.scratch.zero_()
+            dist.barrier()
+            self.record("raw_get", timed(lambda: list(self.pool.map(get_one, pieces))))
+            if not torch.equal(self.scratch, self.reference):
+                raise AssertionError("raw GET: data differs from what was PUT")
 
-            list(self.pool.map(one, pieces))
+        return put, get
 
-        self.record("raw_put", timed(put))
-        self.scratch.zero_()
-        dist.barrier()
-        self.record("raw_get", timed(get))
-        if not torch.equal(self.scratch, self.reference):
-            raise AssertionError("raw GET: data differs from what was PUT")
-        if self.rank == 0:  # the latency a small read pays (untimed, one at a time)
-            for i in range(SMALL_GETS):
-                start = time.perf_counter()
-                obstore.get_range(store, objects[0][0], start=i * SMALL, length=SMALL)
-                self.small_get_ms.append((time.perf_counter() - start) * 1000)
-        self.clear("raw/")
-
-    def requests_so_far(self) -> Counter[str]:
-        """HTTP requests unbroken's storage has issued on this rank, by method."""
+    def requests_so_far(self) -> Counter[str]:  # unbroken's HTTP requests here, by method
         return Counter(self.ckpt.storage.requests)  # type: ignore[attr-defined]
 
-    def unbroken_ckpt(self, rep: int) -> None:
-        step = 1000 + rep
+    def unbroken_save(self, step: int) -> None:
         before = self.requests_so_far()
         self.record("unbroken_save", timed(lambda: self.ckpt.save(step, self.state)))
-        saved = self.requests_so_far()
+        self.requests["save"] = self.all_requests(self.requests_so_far() - before)
+
+    def unbroken_restore(self) -> None:
         self.zero(self.tensors)
-        got: list[int | None] = []
-        self.record("unbroken_restore", timed(lambda: got.append(self.ckpt.restore(self.state))))
-        mine = {"save": dict(saved - before), "restore": dict(self.requests_so_far() - saved)}
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)  # all ranks' requests, summed by method
-        self.requests = {
-            op: dict(sum((Counter(r[op]) for r in everyone), Counter())) for op in mine
-        }
-        if got != [step]:
-            raise AssertionError(f"unbroken restore returned step {got}, saved {step}")
+        before = self.requests_so_far()
+        self.restored = []
+        self.record(
+            "unbroken_restore", timed(lambda: self.restored.append(self.ckpt.restore(self.state)))
+        )
+        self.requests["restore"] = self.all_requests(self.requests_so_far() - before)
         verify(self.tensors, self.reference, "unbroken restore")
-        self.clear("unbroken/")
+
+    def all_requests(self, mine: Counter[str]) -> dict[str, int]:
+        """All ranks' ``mine``, summed by method."""
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, dict(mine))
+        return dict(sum((Counter(r) for r in everyone), Counter()))
 
     def torch_boto3(self, rep: int) -> None:
         key = f"torch/{rep}/rank{self.rank}.pt"
@@ -330,9 +355,11 @@ class S3Rank:
 
     def run(self) -> dict[str, Any]:
         self.setup_connector()
+        self.raw_and_unbroken(-1)  # warm-up, untimed: the server's and clients' first use
+        self.samples.clear()
+        self.small_get_ms.clear()
         methods: list[Callable[[int], None]] = [
-            self.raw_limit,
-            self.unbroken_ckpt,
+            self.raw_and_unbroken,
             self.torch_boto3,
             self.connector_dcp,
             self.replicated_modes,

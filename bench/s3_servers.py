@@ -74,6 +74,7 @@ def start_rgw(stack: contextlib.ExitStack, directory: Path, memstore: int) -> An
 
     # the OSD keeps every object in RAM, up to this many bytes
     os.environ.setdefault("RGW_MEMSTORE_BYTES", str(memstore))
+    os.environ.setdefault("RGW_GC_PERIOD", "86400")  # collected between clocks instead
     try:
         rgw = start_rgw(directory)
     except RGWUnavailable as e:
@@ -87,7 +88,8 @@ def start_rgw(stack: contextlib.ExitStack, directory: Path, memstore: int) -> An
 
 def memstore_bytes(cfg_total: int, replicated: int, repeats: int) -> int:
     """Room for every object the run writes (deleted objects are reclaimed only by RGW's
-    garbage collection, every 30 s or so), capped by what this machine can spare."""
+    garbage collection, which the bench runs after each repeat), capped by what this
+    machine can spare."""
     need = int(1.3 * (repeats * (4 * cfg_total + replicated) + cfg_total)) + GIB
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     ranks_need = 4 * cfg_total + 3 * replicated

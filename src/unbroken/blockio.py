@@ -4,10 +4,11 @@ against its manifest checksum. Shared by `unbroken.shards` and `unbroken.coalesc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -30,8 +31,41 @@ def byte_view(t: torch.Tensor) -> memoryview:
 def read_into(
     storage: Storage, folder: str, key: str, file: str, start: int, out: memoryview
 ) -> None:
-    try:
+    with _reading(folder, key, file, start, start + len(out)):
         storage.read_into(f"{folder}/{file}", start, out)
+
+
+def read_scatter(
+    storage: Storage, folder: str, key: str, file: str, parts: Sequence[tuple[int, memoryview]]
+) -> None:
+    """Fill each ``(start, out)`` of ``parts`` with ``file``'s bytes from ``start``, in one
+    request where the storage can (``read_scatter``: a ranged GET copied straight into
+    every destination), else (or for one part) one `read_into` per part."""
+    scatter = getattr(storage, "read_scatter", None)
+    if scatter is None or len(parts) == 1:
+        for start, out in parts:
+            read_into(storage, folder, key, file, start, out)
+        return
+    end = max(start + len(out) for start, out in parts)
+    with _reading(folder, key, file, min(start for start, _ in parts), end):
+        scatter(f"{folder}/{file}", parts)
+
+
+def read_range(
+    storage: Storage, folder: str, key: str, file: str, start: int, length: int
+) -> memoryview:
+    """Bytes [start, start + length) of ``file``, as the storage received them: only for a
+    storage with ``read_range`` (see `unbroken.storage.Storage`)."""
+    with _reading(folder, key, file, start, start + length):
+        return storage.read_range(f"{folder}/{file}", start, length)  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _reading(folder: str, key: str, file: str, start: int, end: int) -> Iterator[None]:
+    """Errors of a read of bytes [start, end) of ``file``, for tensor ``key``, that say
+    what happened in the checkpoint's terms."""
+    try:
+        yield
     except FileNotFoundError:
         raise CheckpointError(
             f"{folder}/{file} disappeared while tensor {key!r} was being read from it: "
@@ -39,12 +73,14 @@ def read_into(
         ) from None
     except EOFError:
         raise CorruptCheckpointError(
-            f"{folder}: {file} is truncated; tensor {key!r} (bytes {start}-"
-            f"{start + len(out)}) is missing. Restore an earlier step (see `unbroken ls`)."
+            f"{folder}: {file} is truncated; tensor {key!r} (bytes {start}-{end}) is "
+            "missing. Restore an earlier step (see `unbroken ls`)."
         ) from None
 
 
-def verify_chunk(folder: str, key: str, chunk: Chunk, view: memoryview) -> None:
+def verify_chunk(
+    folder: str, key: str, chunk: Chunk, view: memoryview | Sequence[memoryview]
+) -> None:
     verify_block(
         view,
         chunk.xxh3,

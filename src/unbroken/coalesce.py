@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from unbroken.blockio import read_into, run_all
+from unbroken.blockio import read_into, read_range, read_scatter, run_all
 from unbroken.storage import Storage
 
 GAP_BYTES = 256 << 10  # object stores: bytes between two ranges read and dropped
@@ -167,13 +167,15 @@ def fetch(
         done(i, data)
 
     def get(request: Request) -> None:
-        key = extents[request.parts[0][0]].key
-        if len(request.parts) == 1:
-            i, lo, hi = request.parts[0]
-            if into[i] is not None or (lo, hi) != (0, length[i]):  # no copy
-                read_into(storage, folder, key, request.file, request.start, target(i)[lo:hi])
+        key, (first, lo, hi) = extents[request.parts[0][0]].key, request.parts[0]
+        if all(into[i] is not None for i, _, _ in request.parts) or (
+            len(request.parts) == 1 and (lo, hi) != (0, length[first])
+        ):  # every part straight into its own memory
+            parts = [(extents[i].start + lo, target(i)[lo:hi]) for i, lo, hi in request.parts]
+            read_scatter(storage, folder, key, request.file, parts)
+            for i, _, _ in request.parts:
                 landed(i, None)
-                return
+            return
         data = memoryview(bytearray(request.end - request.start))
         read_into(storage, folder, key, request.file, request.start, data)
         for i, lo, hi in request.parts:
@@ -187,4 +189,42 @@ def fetch(
     for i, view in enumerate(into):
         if not length[i]:  # nothing to read: handed on as it is
             done(i, view if view is not None else memoryview(b""))
+    run_all(get, requests, in_flight)
+
+
+# (extent index, its bytes: slices of the storage's response buffers, in order)
+Held = Callable[[int, list[memoryview]], None]
+
+
+def fetch_held(
+    storage: Storage, folder: str, extents: Sequence[Extent], done: Held, threads: int
+) -> None:
+    """`fetch` for a storage that hands over the buffers its responses arrive in
+    (``read_range``): nothing is copied, and ``done(i, pieces)`` gets extent i's bytes as
+    slices of those buffers, in order, as soon as the last is in. They stay valid for as
+    long as the caller keeps them."""
+    total = sum(e.end - e.start for e in extents)
+    in_flight = max(1, threads, storage.requests_in_flight)
+    requests = plan(extents, rules_for(storage, total, in_flight))
+    remaining = Counter(i for request in requests for i, _, _ in request.parts)
+    pieces: dict[int, dict[int, memoryview]] = {}
+    lock = threading.Lock()
+
+    def get(request: Request) -> None:
+        key = extents[request.parts[0][0]].key
+        data = read_range(
+            storage, folder, key, request.file, request.start, request.end - request.start
+        )
+        for i, lo, hi in request.parts:
+            at = extents[i].start + lo - request.start
+            with lock:
+                pieces.setdefault(i, {})[lo] = data[at : at + hi - lo]
+                remaining[i] -= 1
+                whole = [] if remaining[i] else [v for _, v in sorted(pieces.pop(i).items())]
+            if whole:
+                done(i, whole)
+
+    for i, e in enumerate(extents):
+        if e.end == e.start:
+            done(i, [])
     run_all(get, requests, in_flight)

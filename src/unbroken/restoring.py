@@ -9,8 +9,7 @@ newest copy that verifies, or raises.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -19,17 +18,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from unbroken import replicas, sdc
+from unbroken import reading, sdc
 from unbroken.backup import Backup
 from unbroken.choosing import Choice, choose, fell_back
 from unbroken.directory import Directory
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import Chunk, Manifest, TensorEntry, checksum, verify_block
+from unbroken.format import Manifest
 from unbroken.memory import MemoryTier
+from unbroken.reading import Target
 from unbroken.reshard import saved_objects
-from unbroken.shards import byte_view, dtensor_offsets, overlap
-from unbroken.sources import Fill, Origin, Restored
+from unbroken.shards import dtensor_offsets, overlap
+from unbroken.sources import Origin, Restored
 from unbroken.state import capture, decode, is_stateful, prune, tensor_keys
 from unbroken.validate import stored_enough
 
@@ -48,19 +48,6 @@ class RestoreContext:
     replicated_reads: Literal["each", "broadcast", "slice"]
     memory: MemoryTier | None = None
     replica_sources: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class _Target:
-    """A saved tensor this rank restores: into ``dest`` (None: a new tensor), whose
-    part held here is ``region`` at ``offsets``, from the stored ``chunks``."""
-
-    key: str
-    entry: TensorEntry
-    dest: torch.Tensor | None
-    region: torch.Tensor | None
-    offsets: list[int]
-    chunks: list[Chunk]
 
 
 def restore(
@@ -121,24 +108,35 @@ def _load(
         manifest, tree, targets = comm.together(
             f"checking step {choice.step}", lambda: _check(comm, choice, state, strict)
         )
-        backup = Backup(t.region for t in targets if t.dest is not None)
         # Memory is read where it is: a rank's snapshot holds its own values, per-rank
         # ones too, so nothing is broadcast from another rank's copy.
-        readers = _readers(comm, targets, ctx.replicated_reads) if choice.from_storage else {}
-        loaded, buffers = comm.together(
+        readers = (
+            reading.readers(comm, targets, ctx.replicated_reads) if choice.from_storage else {}
+        )
+        reads = reading.plan(comm, targets, readers)
+        held = {reading.memory(f.region) for f in reads.fills if choice.source.holds(f)}
+        backup = Backup(
+            t.region
+            for t in targets
+            if t.dest is not None and t.region is not None and reading.memory(t.region) not in held
+        )
+        place = comm.together(
             f"reading step {choice.step}",
-            lambda: _read(ctx, choice, manifest, targets, readers),
+            lambda: reading.read(comm, ctx.memory, choice, manifest, reads.fills, ctx.io_threads),
         )
         if readers:
-            _share(comm, choice, manifest, readers, loaded, buffers)
+            reading.share(comm, choice, manifest, readers, reads)
     except BaseException:
         if backup is not None:
             backup.put_back()
         for optim in fresh:
             optim.state.clear()  # as it was: nothing changes when a restore fails
         raise
+    if place is not None:
+        place()  # every rank has read and checked its part: nothing is left to fail
     comm.together(
-        f"loading step {choice.step} into the state", lambda: _apply(state, tree, loaded, strict)
+        f"loading step {choice.step} into the state",
+        lambda: _apply(state, tree, reads.loaded, strict),
     )
     return Restored(step=choice.step, origins=choice.origins, rank=comm.rank)
 
@@ -148,7 +146,7 @@ def _load(
 
 def _check(
     comm: Comm, choice: Choice, state: Mapping[str, Any], strict: bool
-) -> tuple[Manifest, dict[str, Any], list[_Target]]:
+) -> tuple[Manifest, dict[str, Any], list[Target]]:
     """Check everything a restore will touch, and list what it reads."""
     source = choice.source
     manifest = source.open()
@@ -193,7 +191,7 @@ def _targets(
     tree: dict[str, Any],
     current: dict[str, torch.Tensor],
     rank: int,
-) -> list[_Target]:
+) -> list[Target]:
     targets = []
     for name in tree:
         for key in tensor_keys(tree[name]):
@@ -220,118 +218,8 @@ def _targets(
                 if (c.ranks is None or rank in c.ranks)
                 and (not shape or overlap(offsets, shape, c.offsets, c.shape) is not None)
             ]
-            targets.append(_Target(key, entry, dest, region, offsets, chunks))
+            targets.append(Target(key, entry, dest, region, offsets, chunks))
     return targets
-
-
-# -- read ----------------------------------------------------------------------------
-
-
-def _read(
-    ctx: RestoreContext,
-    choice: Choice,
-    manifest: Manifest,
-    targets: Sequence[_Target],
-    readers: dict[str, int],
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Read this rank's tensors from its source, while serving the replicas it provides.
-    Returns every tensor by key, and the CPU buffers of those shared by broadcast."""
-    comm = ctx.comm
-    loaded, buffers, fills = {}, {}, []
-    first: dict[tuple[Any, ...], _Target] = {}  # live memory -> the target that fills it
-    for t in targets:
-        dest, region = t.dest, t.region
-        if dest is not None and region is not None and region.numel() and t.key not in readers:
-            ident = (region.data_ptr(), region.dtype, tuple(region.shape), region.stride())
-            twin = first.setdefault(ident, t)
-            if twin is not t and twin.chunks == t.chunks:  # tied, stored once: read once
-                loaded[t.key] = dest
-                continue
-        if t.key in readers:  # read by one rank, then broadcast: needs a CPU buffer
-            buffers[t.key] = region = _cpu_buffer(dest, t.entry)
-            dest = region if dest is None else dest
-            if readers[t.key] != comm.rank:
-                loaded[t.key] = dest
-                continue
-        elif dest is None:
-            dest = region = torch.empty(t.entry.shape, dtype=t.entry.torch_dtype)
-        assert region is not None
-        loaded[t.key] = dest
-        fills.append(Fill(t.key, t.entry, t.chunks, region, t.offsets))
-    sending = []
-    if choice.serves and ctx.memory is not None:
-        sending = replicas.send(comm, ctx.memory, choice.step, choice.serves)
-    choice.source.read(manifest, fills, ctx.io_threads)
-    replicas.wait(sending)
-    return loaded, buffers
-
-
-# -- share ---------------------------------------------------------------------------
-
-
-def _share(
-    comm: Comm,
-    choice: Choice,
-    manifest: Manifest,
-    readers: dict[str, int],
-    loaded: dict[str, torch.Tensor],
-    buffers: dict[str, torch.Tensor],
-) -> None:
-    """Broadcast each tensor from the rank that read it (every rank, in one order: the
-    read stage succeeded everywhere), then check what arrived."""
-    for key in sorted(readers):
-        comm.broadcast_bytes(byte_view(buffers[key]), readers[key])
-
-    def receive() -> None:
-        for key, reader in readers.items():
-            if reader != comm.rank:
-                what = f"{choice.source.where}: tensor {key!r} from rank {reader}"
-                verify_block(byte_view(buffers[key]), manifest.tensors[key].chunks[0].xxh3, what)
-            if loaded[key] is not buffers[key]:
-                loaded[key].copy_(buffers[key])
-
-    comm.together(f"receiving step {choice.step}", receive)
-
-
-def _readers(comm: Comm, targets: Sequence[_Target], mode: str) -> dict[str, int]:
-    """For ``replicated_reads`` other than "each": which rank reads each tensor that every
-    rank restores whole from one stored block (DDP parameters, optimizer state). The
-    others receive it by broadcast instead of fetching the same bytes from storage."""
-    if mode == "each" or comm.world_size == 1:
-        return {}
-    sizes = {
-        t.key: t.chunks[0].nbytes
-        for t in targets
-        if len(t.chunks) == 1
-        and t.chunks[0].ranks is None
-        and t.chunks[0].shape == t.entry.shape
-        and not isinstance(t.dest, DTensor)
-    }
-    # Only if every rank restores the same set: otherwise each reads its own.
-    digest = checksum(memoryview(json.dumps(sorted(sizes)).encode()))
-    if len(set(comm.all_gather(digest))) > 1:
-        return {}
-    if mode == "broadcast":
-        return dict.fromkeys(sizes, 0)
-    load = [0] * comm.world_size
-    readers = {}
-    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):  # "slice": balance the bytes
-        rank = min(range(comm.world_size), key=lambda r: (load[r], r))
-        readers[key] = rank
-        load[rank] += sizes[key]
-    return readers
-
-
-def _cpu_buffer(dest: torch.Tensor | None, entry: TensorEntry) -> torch.Tensor:
-    """``dest`` itself if a broadcast can land in it, else a new CPU tensor."""
-    if (
-        dest is not None
-        and dest.device.type == "cpu"
-        and dest.is_contiguous()
-        and dest.dtype == entry.torch_dtype
-    ):
-        return dest
-    return torch.empty(entry.shape, dtype=entry.torch_dtype)
 
 
 # -- apply ---------------------------------------------------------------------------

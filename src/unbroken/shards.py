@@ -10,7 +10,7 @@ number of ranks) is read and checked by whole checksum pieces (`fill_regions`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from unbroken.blockio import byte_view, read_into, verify_chunk
-from unbroken.coalesce import Extent, fetch
+from unbroken.coalesce import Extent, fetch, fetch_held
 from unbroken.errors import CheckpointError
 from unbroken.format import Chunk, TensorEntry, safetensors_header, shard_file, verify_block
 from unbroken.run import faults
@@ -125,6 +125,34 @@ def read_many(
             verify_chunk(folder, items[i][0], items[i][2], view)
 
     fetch(storage, folder, extents, views, done, threads)
+
+
+def read_held(
+    storage: Storage, folder: str, items: Sequence[tuple[str, TensorEntry, Chunk, torch.Tensor]],
+    threads: int,
+) -> Callable[[], None]:  # fmt: skip
+    """`read_many`, verified, for a storage that hands over its response buffers
+    (``read_range``: S3), writing nothing yet: the returned ``place()`` copies every chunk
+    into its ``out`` tensor. Until it is called a failure, here or on another rank, leaves
+    the tensors as they were, at no cost: the responses, which a read has to receive
+    anyway, stand in for the copy of the state a `Backup` would take."""
+    extents = [Extent(key, c.file, c.start, c.end) for key, _, c, _ in items]
+    held: dict[int, list[memoryview]] = {}
+
+    def done(i: int, pieces: list[memoryview]) -> None:
+        verify_chunk(folder, items[i][0], items[i][2], pieces)
+        held[i] = pieces
+
+    fetch_held(storage, folder, extents, done, threads)
+
+    def place() -> None:
+        for i, pieces in held.items():
+            out, at = byte_view(items[i][3]), 0
+            for piece in pieces:
+                out[at : at + len(piece)] = piece
+                at += len(piece)
+
+    return place
 
 
 def fill(

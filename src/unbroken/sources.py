@@ -18,7 +18,7 @@ A missing step is a `CheckpointError` naming it; a damaged block a
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -30,7 +30,7 @@ from unbroken.dist import Comm
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Chunk, Manifest, TensorEntry, step_dir, verify_block
 from unbroken.memory import Slots
-from unbroken.shards import byte_view, fill_regions, read_many
+from unbroken.shards import byte_view, fill_regions, read_held, read_many
 from unbroken.storage import Storage
 from unbroken.storage.local import LocalStorage
 
@@ -75,6 +75,7 @@ class Fill:
     chunks: list[Chunk]
     region: torch.Tensor
     offsets: list[int]
+    shared: bool = False  # broadcast to the other ranks once read: never held
 
     def exact(self) -> Chunk | None:
         """The stored chunk that is exactly this region, if its bytes can land in the
@@ -112,9 +113,17 @@ class Source(Protocol):
         """Raise `CheckpointError` unless ``files`` (of ``manifest``) can be read whole."""
         ...
 
-    def read(self, manifest: Manifest, fills: Sequence[Fill], threads: int) -> None:
-        """Fill every region; `CorruptCheckpointError` naming a tensor that fails its
-        checksum, `CheckpointError` if the source disappears meanwhile."""
+    def holds(self, fill: Fill) -> bool:
+        """Whether `read` keeps ``fill``'s bytes until the ranks agree, instead of
+        writing its region at once."""
+        ...
+
+    def read(
+        self, manifest: Manifest, fills: Sequence[Fill], threads: int
+    ) -> Callable[[], None] | None:
+        """Fill every region, or hold its bytes (`holds`) and return what places them;
+        `CorruptCheckpointError` naming a tensor that fails its checksum,
+        `CheckpointError` if the source disappears meanwhile."""
         ...
 
 
@@ -144,14 +153,23 @@ class _Files:
                     "earlier step (see `unbroken ls`)"
                 )
 
-    def read(self, manifest: Manifest, fills: Sequence[Fill], threads: int) -> None:
-        whole, partial = [], []
+    def holds(self, fill: Fill) -> bool:
+        """A storage that hands over its responses (S3) keeps whole blocks in them."""
+        return hasattr(self.storage, "read_range") and not fill.shared and bool(fill.exact())
+
+    def read(
+        self, manifest: Manifest, fills: Sequence[Fill], threads: int
+    ) -> Callable[[], None] | None:
+        whole: list[tuple[str, TensorEntry, Chunk, torch.Tensor]] = []
+        held: list[tuple[str, TensorEntry, Chunk, torch.Tensor]] = []
+        partial = []
         for f in fills:
             chunk = f.exact()
-            if chunk is not None:
-                whole.append((f.key, f.entry, chunk, f.region))
-            else:
+            if chunk is None:
                 partial.append(f)
+            else:
+                (held if self.holds(f) else whole).append((f.key, f.entry, chunk, f.region))
+        place = read_held(self.storage, self.folder, held, threads) if held else None
         # Threads overlap one block's checksum (which holds the GIL) with the next
         # block's read (which releases it), and keep several reads in flight.
         verify = not self._verified
@@ -160,6 +178,7 @@ class _Files:
         # that neighbouring pieces are fetched in one request.
         targets = [(f.key, f.entry, f.chunks, f.region, f.offsets) for f in partial]
         fill_regions(self.storage, self.folder, targets, threads)
+        return place
 
 
 class StorageSource(_Files):
@@ -222,6 +241,9 @@ class ReplicaSource:
 
     def check(self, manifest: Manifest, files: set[str]) -> None:
         """Nothing to check before the transfer: the provider checked its copy."""
+
+    def holds(self, fill: Fill) -> bool:
+        return False
 
     def read(self, manifest: Manifest, fills: Sequence[Fill], threads: int) -> None:
         arriving = []  # (key, chunk, where it lands, the region it is for)

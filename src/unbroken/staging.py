@@ -15,6 +15,8 @@ only saves blocking never needs the arena.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -24,6 +26,29 @@ import torch
 from unbroken import abort
 from unbroken.shards import local_block, packed
 from unbroken.state import capture
+
+HUGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
+
+
+def host_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zeroed host memory as a uint8 tensor, freed with it. Large buffers are
+    anonymous mappings advised for transparent huge pages (``MADV_HUGEPAGE``): touching
+    them faults in 2 MiB at a time, ~3x faster here than 4 KiB pages (256 MiB: ~40 ms
+    against ~130 ms). The kernel may compact memory to find huge pages, which can stall
+    for hundreds of ms on a fragmented host, so only the arena, allocated once and
+    ahead of time where it can be, uses them; a restore's `Backup` does not."""
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < HUGE or advise is None:
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # THP compiled out: small pages work too
+        region.madvise(advise)
+    return torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping until freed
+
+
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A staging buffer: pinned (page-locked, for device copies) or `host_bytes`."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else host_bytes(nbytes)
 
 
 class Arena:
@@ -40,7 +65,7 @@ class Arena:
                 if self.nbytes >= nbytes:
                     return
                 self.buffer = None  # free the old buffer before allocating its replacement
-                buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                buffer = host_buffer(nbytes, pin)
                 if not pin:
                     buffer.zero_()  # page faults now, not in the first save
                 self.buffer = buffer
@@ -65,7 +90,7 @@ class Arena:
         with self._lock:  # waits for a reservation under way: it has done part of the work
             if self.buffer is None or self.buffer.numel() < total:
                 self.buffer = None  # free the old buffer before allocating its replacement
-                self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=bool(on_cuda))
+                self.buffer = host_buffer(total, pin=bool(on_cuda))
         assert self.buffer is not None
         copies = [
             self.buffer[o : o + t.nbytes].view(t.dtype).view(t.shape)

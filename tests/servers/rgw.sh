@@ -19,8 +19,10 @@
 # are left alone. The data is kept in memory (memstore), so it is gone once stopped.
 #
 # Environment knobs: RGW_START_TIMEOUT (seconds, default 90), RGW_MEMSTORE_BYTES
-# (default 4 GiB), RGW_MON_PORT (default: a free port picked at random), PYTHON (the Python
-# used for small helpers, default python3).
+# (default 4 GiB), RGW_GC_PERIOD (seconds between garbage collections, default 30; a
+# benchmark sets it long and runs `radosgw-admin -c DIR/ceph.conf gc process --include-all`
+# itself, between its clocks), RGW_MON_PORT (default: a free port picked at random),
+# PYTHON (the Python used for small helpers, default python3).
 set -euo pipefail
 unset CEPH_ARGS CEPH_CONF
 
@@ -28,6 +30,7 @@ ACCESS_KEY=unbroken-test-access
 SECRET_KEY=unbroken-test-secret-key-0123456789
 TIMEOUT=${RGW_START_TIMEOUT:-90}
 MEMSTORE_BYTES=${RGW_MEMSTORE_BYTES:-4294967296}
+GC_PERIOD=${RGW_GC_PERIOD:-30}
 PYTHON=${PYTHON:-python3}
 
 die() {
@@ -217,8 +220,8 @@ rgw_dynamic_resharding = false
 rgw_enable_usage_log = false
 # Reclaim the space of deleted and overwritten objects after ~30 s instead of 2 h: the OSD
 # keeps everything in RAM, capped at memstore_device_bytes.
-rgw_gc_obj_min_wait = 30
-rgw_gc_processor_period = 30
+rgw_gc_obj_min_wait = $GC_PERIOD
+rgw_gc_processor_period = $GC_PERIOD
 CONF
 
 ceph_cli() {

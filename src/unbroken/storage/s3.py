@@ -252,34 +252,46 @@ class S3Storage:
         return self.options.part_size
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        view = out.cast("B")
-        piece = self.options.part_size
-        starts = range(0, len(view), piece)
-        if len(starts) <= 1:
-            self._get_into(path, offset, view)
+        """In ranged GETs of ``part_size`` bytes, in parallel, each copied into ``out``
+        from the buffer obstore received it in."""
+        view, piece = out.cast("B"), self.options.part_size
+        pieces = [view[s : s + piece] for s in range(0, len(view), piece)]
+        starts = range(offset, offset + len(view), piece)
+        if len(pieces) == 1:
+            pieces[0][:] = self.read_range(path, offset, len(view))
             return
         jobs = [
-            self._pool.submit(self._get_into, path, offset + s, view[s : s + piece]) for s in starts
+            self._pool.submit(self.read_range, path, s, len(p))
+            for s, p in zip(starts, pieces, strict=True)
         ]
-        for job in jobs:
-            job.result()
+        for job, p in zip(jobs, pieces, strict=True):
+            p[:] = job.result()
 
-    def _get_into(self, path: str, offset: int, out: memoryview) -> None:
+    def read_scatter(self, path: str, parts: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each ``(start, out)`` of ``parts`` from ``path``'s byte ``start``: one ranged
+        GET of the span they cover, copied straight into each (gaps between them dropped)."""
+        first = min(start for start, _ in parts)
+        data = self.read_range(path, first, max(start + len(out) for start, out in parts) - first)
+        for start, out in parts:
+            out.cast("B")[:] = data[start - first : start - first + len(out)]
+
+    def read_range(self, path: str, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset + length) of ``path``, in one GET, in the buffer the client
+        received them in (no copy; it lives as long as the view); `EOFError` if short."""
         import obstore
 
-        if not len(out):
-            return
         self._count("GET")
+        end = offset + length
         try:
-            with self._request("GET", path, f" (bytes {offset}-{offset + len(out)})"):
-                data = obstore.get_range(self.store, path, start=offset, length=len(out))
+            with self._request("GET", path, f" (bytes {offset}-{end})"):
+                data = memoryview(obstore.get_range(self.store, path, start=offset, length=length))
         except CheckpointError as e:
-            if self.size(path) < offset + len(out):
-                raise EOFError(f"{self._where(path)} ends before byte {offset + len(out)}") from e
+            if self.size(path) < end:
+                raise EOFError(f"{self._where(path)} ends before byte {end}") from e
             raise
-        if len(data) != len(out):
-            raise EOFError(f"{self._where(path)} ends before byte {offset + len(out)}")
-        out[:] = data  # obstore owns the response buffer: one copy, into the destination
+        if len(data) != length:
+            raise EOFError(f"{self._where(path)} ends before byte {end}")
+        return data
 
     def size(self, path: str) -> int:
         import obstore
