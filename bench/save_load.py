@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -114,9 +115,13 @@ class SaveLoadRank:
             self.residency.append(evict(self.cfg.dir))
         dist.barrier()
 
-    def limits(self, rep: int) -> None:
-        rank, root, tensors, scratch = self.rank, self.root, self.tensors, self.scratch
-        ref_mv, scratch_mv = self.ref_mv, self.scratch_mv
+    # The limits: each writer is a method of its own, rotated through the slots as the
+    # others are, so none of them always writes right after another write (this VM's disk
+    # serves a burst after a rest faster than back-to-back writes).
+
+    def limit_plain(self, rep: int) -> None:
+        """memcpy, then one sequential writer and reader per rank."""
+        tensors, scratch = self.tensors, self.scratch
 
         def memcpy() -> None:
             for t, view in zip(tensors, flat_views(scratch, tensors), strict=True):
@@ -124,26 +129,25 @@ class SaveLoadRank:
 
         self.record("memcpy", timed(memcpy))
         verify(tensors, scratch, "memcpy")
-        path = f"{fresh_dir(root / 'raw' / str(rep))}/rank{rank}.bin"
-        early = f"{fresh_dir(root / 'raw' / f'{rep}-early')}/rank{rank}.bin"
-        striped = f"{fresh_dir(root / 'raw' / f'{rep}-striped')}/rank{rank}.bin"
-        writers = [
-            ("write_fsync", lambda: raw_write(path, ref_mv)),
-            ("write_fsync_early", lambda: raw_write(early, ref_mv, True)),
-            ("write_fsync_striped", lambda: striped_write(striped, ref_mv)),
-        ]
-        for name, write in rotated(writers, rep):
-            settle()
-            self.record(name, timed(write))
-        for name, read in rotated(
-            [("read", lambda: raw_read(path, scratch_mv)),
-             ("read_striped", lambda: striped_read(striped, scratch_mv))], rep
-        ):  # fmt: skip
-            self.before_restore()
-            self.record(name, timed(read))
-            if not torch.equal(scratch, self.reference):
-                raise AssertionError(f"raw {name}: data differs from what was written")
-        for t, view in zip(tensors, flat_views(self.reference, tensors), strict=True):
+        path = f"{fresh_dir(self.root / 'raw' / str(rep))}/rank{self.rank}.bin"
+        self.record("write_fsync", timed(lambda: raw_write(path, self.ref_mv)))
+        self.raw_read("read", lambda: raw_read(path, self.scratch_mv))
+
+    def limit_early(self, rep: int) -> None:
+        path = f"{fresh_dir(self.root / 'raw' / f'{rep}-early')}/rank{self.rank}.bin"
+        self.record("write_fsync_early", timed(lambda: raw_write(path, self.ref_mv, True)))
+
+    def limit_striped(self, rep: int) -> None:
+        path = f"{fresh_dir(self.root / 'raw' / f'{rep}-striped')}/rank{self.rank}.bin"
+        self.record("write_fsync_striped", timed(lambda: striped_write(path, self.ref_mv)))
+        self.raw_read("read_striped", lambda: striped_read(path, self.scratch_mv))
+
+    def raw_read(self, name: str, read: Callable[[], None]) -> None:
+        self.before_restore()
+        self.record(name, timed(read))
+        if not torch.equal(self.scratch, self.reference):
+            raise AssertionError(f"raw {name}: data differs from what was written")
+        for t, view in zip(self.tensors, flat_views(self.reference, self.tensors), strict=True):
             as_bytes(t).copy_(view)  # undo before_restore's zeroing
 
     def per_rank_torch(self, rep: int) -> None:
@@ -175,7 +179,9 @@ class SaveLoadRank:
     def run(self) -> dict[str, Any]:
         """Every method once per repeat, interleaved, the disk settled around each."""
         methods = [
-            self.limits,
+            self.limit_plain,
+            self.limit_early,
+            self.limit_striped,
             self.unbroken_checkpoint,
             self.per_rank_torch,
             self.distributed_checkpoint,
@@ -213,17 +219,19 @@ def report(cfg: DiskConfig, raw: dict[str, Any]) -> dict[str, Any]:
     reads = (
         "cold (fadvise DONTNEED)" if cold else f"warm ({raw['residency_after_evict']:.0%} resident)"
     )
-    # Held against the best of the raw writers and readers, striped ones included: the
-    # machine's real limit, with at least the parallelism of any method.
-    write_limit = max(best[k] for k in ("write_fsync", "write_fsync_early", "write_fsync_striped"))
-    read_limit = max(best["read"], best["read_striped"])
+    # Held against the fastest of the raw writers and readers, striped ones included: the
+    # machine's real limit, with at least the parallelism of any method. Medians: one
+    # burst of this VM's disk in one repeat must not make or break a method's figure.
+    writers = ("write_fsync", "write_fsync_early", "write_fsync_striped")
+    write_limit = max(median[k] for k in writers)
+    read_limit = max(median["read"], median["read_striped"])
     fraction: dict[str, float] = {}
     rows = limit_rows(best, median, reads)
     ratio_vs_dcp = method_rows(rows, fraction, best, median, write_limit, read_limit)
     print_table(cfg, rows, reads)
     return {
         "config": asdict(cfg) | {"total_bytes": cfg.total_bytes},
-        "statistic": "best of repeats",
+        "statistic": "best of repeats; fractions and ratios from medians",
         "reads": reads,
         "gib_per_s": best,
         "median_gib_per_s": median,
@@ -281,11 +289,11 @@ def method_rows(
         ("torch.save / torch.load", "torch_save", "torch_load"),
         ("DCP save / load", "dcp_save", "dcp_load"),
     ]:
-        fraction[save] = best[save] / write_limit
-        fraction[restore] = best[restore] / read_limit
+        fraction[save] = median[save] / write_limit
+        fraction[restore] = median[restore] / read_limit
         targets = {save: "", restore: ""}
         if label == "unbroken":
-            ratio_vs_dcp = best[save] / best["dcp_save"]
+            ratio_vs_dcp = median[save] / median["dcp_save"]
             ok = ratio_vs_dcp >= TARGET_VS_DCP and fraction[save] >= TARGET_OF_LIMIT
             targets[save] = (
                 f"{'PASS' if ok else 'FAIL'}: {ratio_vs_dcp:.2f}x DCP (>= {TARGET_VS_DCP:g}x), "
@@ -305,8 +313,9 @@ def method_rows(
 def print_table(cfg: DiskConfig, rows: list[Row], reads: str) -> None:
     table = new_table(
         f"{cfg.ranks} ranks x {cfg.mib_per_rank} MiB, {cfg.repeats} repeats, {cfg.dir}",
-        f"aggregate GiB/s (all ranks' bytes / slowest rank); best of repeats; "
-        f"saves fsynced; reads {reads}; save % of the best writer, restore % of the best reader",
+        f"aggregate GiB/s (all ranks' bytes / slowest rank), best and median of repeats; "
+        f"saves fsynced; reads {reads}; 'of limit': the median save over the fastest raw "
+        "writer's median, the median restore over the fastest reader's",
         [
             ("method", "left"),
             ("op", "left"),

@@ -196,6 +196,10 @@ class CountingReads:
         self.reads += len(out)
         return self.inner.read_into(path, offset, out)
 
+    def read_range(self, path, offset, length):
+        self.reads += length
+        return self.inner.read_range(path, offset, length)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 

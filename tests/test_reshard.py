@@ -235,6 +235,10 @@ class CountingRequests(CountingReads):
         self.requests += 1
         return super().read_into(path, offset, out)
 
+    def read_range(self, path, offset, length):
+        self.requests += 1
+        return super().read_range(path, offset, length)
+
 
 def test_parts_of_many_small_blocks_are_fetched_in_one_request(tmp_path):
     state = {f"t{i:02d}": torch.randn(8, 16) for i in range(40)}

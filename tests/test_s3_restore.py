@@ -1,6 +1,9 @@
-"""Restores from S3 keep what they read in the client's response buffers until every rank
-has read and checked its part, then place it: a failure anywhere, on any rank, leaves the
-live state as it was, and no backup copy of the state is taken (`unbroken.reading`)."""
+"""Restores from S3 keep what they read in the client's response buffers (from files: their
+mapped pages) until every rank has read and checked its part, then place it: a failure
+anywhere, on any rank, leaves the live state as it was, and no backup copy of the state is
+taken (`unbroken.reading`)."""
+
+import os
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from conftest import s3_client
 from ranks import run_ranks
 from unbroken import Checkpointer, CorruptCheckpointError
 from unbroken.format import step_dir
+from unbroken.storage.local import LocalStorage
 from unbroken.storage.s3 import S3Options, S3Storage
 
 
@@ -50,7 +54,7 @@ class _Backups:
         monkeypatch.setattr(unbroken.restoring, "Backup", Counted)
 
 
-def test_a_damaged_block_read_from_s3_changes_nothing_and_costs_no_backup(
+def test_a_damaged_block_from_s3_or_a_file_changes_nothing_and_costs_no_backup(
     bucket, tmp_path, monkeypatch
 ):
     uri, options = bucket
@@ -71,10 +75,18 @@ def test_a_damaged_block_read_from_s3_changes_nothing_and_costs_no_backup(
     assert all(torch.equal(live[k], before[k]) for k in state)
     assert backups.nbytes == 0  # the responses were the copy
 
-    local = Checkpointer(tmp_path)  # a file system is read in place, behind a backup
+    local = Checkpointer(tmp_path)  # a file's pages are held the same way
     local.save(1, state)
-    local.restore(_zeros(state))
-    assert backups.nbytes == sum(t.nbytes for t in state.values())
+    chunk = local.manifest(1).tensors["rank0.t29"].chunks[0]
+    with open(tmp_path / step_dir(1) / chunk.file, "r+b") as f:
+        f.seek(chunk.start)
+        byte = f.read(1)[0]
+        f.seek(chunk.start)
+        f.write(bytes([byte ^ 0xFF]))
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'rank0\.t29'.*fails its checksum"):
+        Checkpointer(tmp_path).restore(live, step=1)
+    assert all(torch.equal(live[k], before[k]) for k in state)
+    assert backups.nbytes == 0
 
 
 def _restore_both(rank, world, uri, options):
@@ -113,3 +125,25 @@ def test_read_range_and_read_scatter_take_one_request(bucket):
     assert storage.requests["GET"] - before == 2
     with pytest.raises(EOFError, match="ends before byte"):
         storage.read_range("f", len(data) - 10, 20)
+
+
+def test_a_file_range_is_its_pages_mapped(tmp_path):
+    storage = LocalStorage(str(tmp_path))
+    data = bytes(range(256)) * 64  # 16 KiB: ranges that start off a page boundary too
+    storage.write("f", [data])
+    for offset, length in [(0, len(data)), (5000, 7000), (100, 0)]:
+        assert bytes(storage.read_range("f", offset, length)) == data[offset : offset + length]
+    view = storage.read_range("f", 4096, 10)
+    with pytest.raises(TypeError):
+        view[0] = 1  # read-only: a restore cannot write through to the checkpoint
+    with pytest.raises(EOFError, match="ends before byte"):
+        storage.read_range("f", len(data) - 10, 20)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
+def test_a_restore_keeps_none_of_what_it_read(tmp_path):
+    state = _state()
+    Checkpointer(tmp_path).save(1, state)
+    Checkpointer(tmp_path).restore(_zeros(state))
+    with open("/proc/self/maps") as f:  # the IO workers once kept their last call's buffers
+        assert [line for line in f if str(tmp_path) in line] == []

@@ -54,7 +54,9 @@ def _load(source: Source, rank: int = 0) -> dict[str, torch.Tensor]:
     manifest = source.open()
     fills = _fills(manifest, rank)
     source.check(manifest, {c.file for f in fills for c in f.chunks})
-    source.read(manifest, fills, threads=1)
+    place = source.read(manifest, fills, threads=1)
+    if place is not None:  # what it held, checked: the restore's to place
+        place()
     return {f.key: f.region for f in fills}
 
 
@@ -83,6 +85,14 @@ class Vanishing:
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         self.inner.read_into(path, offset, out)
+        self._vanish()
+
+    def read_range(self, path: str, offset: int, length: int) -> memoryview:
+        view: memoryview = self.inner.read_range(path, offset, length)
+        self._vanish()
+        return view
+
+    def _vanish(self) -> None:
         self.reads += 1
         if self.reads == 1:
             self.inner.delete(self.folder)

@@ -128,6 +128,9 @@ class _Workers:
             finally:
                 with self._lock:
                     self._busy -= 1
+                # An idle worker must not keep its last call alive: it may hold every
+                # buffer a restore read (see shards.read_held).
+                del future, fn
 
 
 _workers = _Workers()

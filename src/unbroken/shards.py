@@ -131,11 +131,12 @@ def read_held(
     storage: Storage, folder: str, items: Sequence[tuple[str, TensorEntry, Chunk, torch.Tensor]],
     threads: int,
 ) -> Callable[[], None]:  # fmt: skip
-    """`read_many`, verified, for a storage that hands over its response buffers
-    (``read_range``: S3), writing nothing yet: the returned ``place()`` copies every chunk
-    into its ``out`` tensor. Until it is called a failure, here or on another rank, leaves
-    the tensors as they were, at no cost: the responses, which a read has to receive
-    anyway, stand in for the copy of the state a `Backup` would take."""
+    """`read_many`, verified, for a storage that hands over what it read without a copy
+    (``read_range``: S3's responses, a local file's mapped pages), writing nothing yet:
+    the returned ``place()`` copies every chunk into its ``out`` tensor. Until it is
+    called a failure, here or on another rank, leaves the tensors as they were, at no
+    cost: the bytes a read has to bring in anyway stand in for the copy of the state a
+    `Backup` would take."""
     extents = [Extent(key, c.file, c.start, c.end) for key, _, c, _ in items]
     held: dict[int, list[memoryview]] = {}
 

@@ -154,7 +154,8 @@ class _Files:
                 )
 
     def holds(self, fill: Fill) -> bool:
-        """A storage that hands over its responses (S3) keeps whole blocks in them."""
+        """A storage that hands over what it read (S3's responses, a file's pages) keeps
+        whole blocks there."""
         return hasattr(self.storage, "read_range") and not fill.shared and bool(fill.exact())
 
     def read(
@@ -215,6 +216,10 @@ class MemorySource(_Files):
         if self._manifest is None:
             self._manifest = self.slots.verified(self.step)
         return self._manifest
+
+    def holds(self, fill: Fill) -> bool:
+        # A slot is written over by a later snapshot: map none of it past its check.
+        return False
 
 
 class ReplicaSource:

@@ -42,11 +42,12 @@ class Storage(Protocol):
         """Fill ``out`` with the bytes of ``path`` from ``offset``; `EOFError` if short."""
         ...
 
-    # Optional, for backends whose reads arrive in buffers of their own (S3):
-    # ``read_scatter(path, parts)`` fills each ``(start, out)`` of ``parts`` in one request
-    # (readers without it make one `read_into` per part: `unbroken.blockio.read_scatter`);
-    # ``read_range(path, offset, length) -> memoryview`` hands over the buffer a range
-    # arrived in, which a restore keeps until every rank has checked what it read
+    # Optional, for backends whose reads arrive in buffers of their own:
+    # ``read_scatter(path, parts)`` (S3) fills each ``(start, out)`` of ``parts`` in one
+    # request (readers without it make one `read_into` per part:
+    # `unbroken.blockio.read_scatter`); ``read_range(path, offset, length) -> memoryview``
+    # (S3: the response's buffer; local files: their pages, mapped) hands over a range
+    # without copying it, which a restore keeps until every rank has checked what it read
     # (`unbroken.shards.read_held`) instead of backing up the state it overwrites.
 
     def size(self, path: str) -> int:

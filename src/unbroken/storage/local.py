@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import shutil
 import uuid
@@ -83,6 +84,33 @@ class LocalStorage:
                 view, offset = view[n:], offset + n
         finally:
             os.close(fd)
+
+    def read_range(self, path: str, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset + length) of ``path``: a read-only map of its pages in the
+        page cache, read ahead at once; nothing is copied until the caller copies. What a
+        restore holds until every rank has checked its part, at no cost in memory (a
+        `Backup` of the state costs an allocation and a copy). The file must not shrink
+        while the view lives (a committed checkpoint's files never change); `EOFError` if
+        it is short now."""
+        full = self._full(path)
+        fd = os.open(full, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size < offset + length:
+                raise EOFError(f"{full} ends before byte {offset + length}")
+            if length == 0:
+                return memoryview(b"")
+            if hasattr(os, "posix_fadvise"):  # the disk reads on while the caller checks
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            skip = offset % mmap.ALLOCATIONGRANULARITY
+            try:
+                mapped = mmap.mmap(fd, skip + length, offset=offset - skip, access=mmap.ACCESS_READ)
+            except OSError:  # a file system that cannot map files: read a copy
+                out = memoryview(bytearray(length))
+                self.read_into(path, offset, out)
+                return out
+        finally:
+            os.close(fd)
+        return memoryview(mapped)[skip:]
 
     def size(self, path: str) -> int:
         return os.stat(self._full(path)).st_size
