@@ -11,7 +11,7 @@ import torch
 import unbroken
 from conftest import make_model, train_steps
 from ranks import run_ranks
-from unbroken import Checkpointer, CheckpointError, staging
+from unbroken import Checkpointer, CheckpointError
 
 
 class GatedStorage:
@@ -280,32 +280,3 @@ def test_a_step_skipped_on_one_rank_is_skipped_on_every_rank(tmp_path):
     assert results[1] == [True, False]
     assert results[0] == [True, False]  # rank 0 had a free buffer, yet skips with rank 1
     assert Checkpointer(tmp_path).steps() == [1]
-
-
-def _mapping(address):
-    """The /proc/self/smaps entry (header and fields) of the mapping holding ``address``."""
-    entry, found = [], False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            if "-" in line.split()[0] and ":" not in line.split()[0]:
-                if found:
-                    break
-                start, end = (int(x, 16) for x in line.split()[0].split("-"))
-                found = start <= address < end
-                entry = [line]
-            elif found:
-                entry.append(line)
-    return entry if found else None
-
-
-def test_a_large_arena_is_advised_for_huge_pages_and_unmapped_with_it():
-    buffer = staging.host_bytes(8 << 20)
-    address = buffer.data_ptr()
-    mapping = _mapping(address)
-    flags = next(line for line in mapping if line.startswith("VmFlags:")).split()
-    assert "hg" in flags  # MADV_HUGEPAGE: faults come 2 MiB at a time where the kernel can
-    assert buffer.numel() == 8 << 20 and int(buffer.count_nonzero()) == 0
-    buffer.fill_(1)  # writable
-    del buffer
-    assert _mapping(address) is None  # the mapping went with the tensor
-    assert staging.host_bytes(4096).numel() == 4096  # small: an ordinary tensor

@@ -15,8 +15,6 @@ only saves blocking never needs the arena.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -27,28 +25,12 @@ from unbroken import abort
 from unbroken.shards import local_block, packed
 from unbroken.state import capture
 
-HUGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
-
-
-def host_bytes(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of zeroed host memory as a uint8 tensor, freed with it. Large buffers are
-    anonymous mappings advised for transparent huge pages (``MADV_HUGEPAGE``): touching
-    them faults in 2 MiB at a time, ~3x faster here than 4 KiB pages (256 MiB: ~40 ms
-    against ~130 ms). The kernel may compact memory to find huge pages, which can stall
-    for hundreds of ms on a fragmented host, so only the arena, allocated once and
-    ahead of time where it can be, uses them; a restore's `Backup` does not."""
-    advise = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE or advise is None:
-        return torch.zeros(nbytes, dtype=torch.uint8)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # THP compiled out: small pages work too
-        region.madvise(advise)
-    return torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping until freed
-
 
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """A staging buffer: pinned (page-locked, for device copies) or `host_bytes`."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else host_bytes(nbytes)
+    """A staging buffer: pinned (page-locked, for device copies) or plain host memory. Not
+    advised for transparent huge pages: where the kernel defragments for them (the default
+    for advised memory), touching 512 MiB stalled for seconds on a fragmented host."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
 class Arena:
