@@ -10,6 +10,7 @@ import unbroken
 from conftest import make_model, train_steps
 from unbroken import Checkpointer, CheckpointError, CorruptCheckpointError
 from unbroken.format import MANIFEST, VERSION, step_dir
+from unbroken.memory import OWN_SLOTS
 
 
 def _state(seed=0):
@@ -310,5 +311,7 @@ def test_step_takes_what_the_policy_says(tmp_path):
     ckpt.step(11, state)  # and the policy does not save it twice
     ckpt.wait()
     assert ckpt.steps() == [5, 10, 11]
-    assert ckpt._memory is not None  # the two newest snapshots (10 was saved):
-    assert sorted(ckpt._memory.snapshots()) == [6, 8]
+    assert ckpt._memory is not None  # the two newest snapshots (10 was saved), and an
+    # older one where 8 came while 6 was still being checksummed (it took the third slot)
+    held = sorted(ckpt._memory.snapshots())
+    assert held[-2:] == [6, 8] and len(held) <= OWN_SLOTS
