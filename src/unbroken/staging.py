@@ -29,7 +29,7 @@ from unbroken.state import capture
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     """A staging buffer: pinned (page-locked, for device copies) or plain host memory. Not
     advised for transparent huge pages: where the kernel defragments for them (the default
-    for advised memory), touching 512 MiB stalled for seconds on a fragmented host."""
+    for advised memory), touching it stalled past the first save on a fragmented host."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
