@@ -4,6 +4,8 @@ committed is ever corrupted or mixed, and what must be refused is refused clearl
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -14,8 +16,11 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from unbroken import Checkpointer
+from unbroken import Checkpointer, claims
 from unbroken.errors import CheckpointError
+from unbroken.format import step_dir
+from unbroken.run import faults
+from unbroken.storage.local import LocalStorage
 
 SIZE = 1 << 18  # 1 MiB a tensor: saves take long enough to overlap
 
@@ -169,3 +174,25 @@ def test_snapshots_taken_while_replicas_are_received_restore_whole(tmp_path):
     assert [r["step"] for r in results] == [10, 10]
     assert [r["origin"] for r in results] == ["memory", "replica"]
     assert all(r["whole"] for r in results), results
+
+
+def test_a_save_that_lost_its_claim_leaves_the_new_owners_folder(tmp_path, monkeypatch):
+    """Another writer takes over step 1's claim while this save writes it (as a job does
+    when it finds the claim stale): the commit is refused, and the failed save leaves
+    the folder, which is the other writer's now, as it finds it."""
+    path = str(tmp_path / "ckpt")
+    other = claims.Claim("other", "elsewhere", 1, time.time())
+    claim_file = os.path.join(path, step_dir(1), claims.CLAIM)
+    reached = faults.point
+
+    def take_over(name: str) -> None:
+        if name == "data-written":
+            with open(claim_file, "w") as f:
+                json.dump(dataclasses.asdict(other), f)
+        reached(name)
+
+    monkeypatch.setattr(faults, "point", take_over)
+    with pytest.raises(CheckpointError, match="claim was removed or taken"):
+        Checkpointer(path).save(1, value(0, 1))
+    assert claims.read(LocalStorage(path), step_dir(1)) == other
+    assert Checkpointer(path).steps() == []

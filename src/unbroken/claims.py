@@ -49,6 +49,10 @@ class Claim:
             return self.pid != os.getpid() and process_exists(self.pid)
         return self.job != job and time.time() - self.created < STALE_S
 
+    def ours(self) -> bool:
+        """Whether this process staked it."""
+        return (self.host, self.pid) == (socket.gethostname(), os.getpid())
+
     def __str__(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.created))
         return f"job {self.job!r}, pid {self.pid} on {self.host}, since {when}"
@@ -93,7 +97,7 @@ def verify(storage: Storage, where: str, step: int) -> None:
     """Before committing ``step``: its claim is still this process's. If another job's
     first pass removed the folder meanwhile, files written before may be gone: refuse."""
     held = read(storage, step_dir(step))
-    if held is None or (held.host, held.pid) != (socket.gethostname(), os.getpid()):
+    if held is None or not held.ours():
         raise CheckpointError(
             f"{where}: step {step}'s claim was removed or taken while saving it "
             f"({held or 'no claim'}); not committing: another job writes this path"

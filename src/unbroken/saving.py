@@ -210,9 +210,13 @@ def explained(ctx: SaveContext, what: str, fn: Callable[[], T]) -> T:
 
 
 def _remove_failed(ctx: SaveContext, step: int) -> None:
+    """Remove what a failed save of ``step`` wrote, unless another writer claimed the
+    step meanwhile: its folder is that writer's now."""
     try:
         if ctx.directory.is_committed(step):
             ctx.collector.committed(Info(step, time.time()))
+        elif (held := claims.read(ctx.directory.storage, step_dir(step))) and not held.ours():
+            log.warning("the failed save of step %d leaves its folder to %s", step, held)
         else:
             ctx.directory.storage.delete(step_dir(step))
     except Exception as e:  # the next Checkpointer to open removes it
