@@ -42,7 +42,7 @@ from s3_clients import (
     delete_prefix,
     reason_of,
 )
-from unbroken.coalesce import MIN_PIECE
+from unbroken.coalesce import rules_for
 from unbroken.shards import FILE_BYTES
 from unbroken.storage.s3 import S3Options, S3Storage, upload_parts
 
@@ -200,14 +200,18 @@ class S3Rank:
             )
 
         out = self.scratch.numpy().data
-        # unbroken's GET size for this many bytes (coalesce.rules_for): the part size, or
-        # less when there would not be a GET for every connection
-        length = min(PART, max(MIN_PIECE, -(-self.nbytes // CONCURRENCY)))
-        pieces = [  # (key, start in the object, start in the rank's bytes, length)
-            (key, start, off + start, min(length, n - start))
-            for key, off, n in objects
-            for start in range(0, n, length)
-        ]
+
+        def pieces() -> list[tuple[str, int, int, int]]:
+            # unbroken's GET size for this many bytes now (coalesce.rules_for: the part
+            # size, or less when there would not be a GET for every connection, but no
+            # less than its storage measured a GET must be): (key, start in the object,
+            # start in the rank's bytes, length)
+            length = rules_for(self.ckpt.storage, self.nbytes, CONCURRENCY).most
+            return [
+                (key, start, off + start, min(length, n - start))
+                for key, off, n in objects
+                for start in range(0, n, length)
+            ]
 
         def get_one(piece: tuple[str, int, int, int]) -> None:
             key, start, at, n = piece
@@ -220,7 +224,8 @@ class S3Rank:
         def get() -> None:
             self.scratch.zero_()
             dist.barrier()
-            self.record("raw_get", timed(lambda: list(self.pool.map(get_one, pieces))))
+            todo = pieces()
+            self.record("raw_get", timed(lambda: list(self.pool.map(get_one, todo))))
             if not torch.equal(self.scratch, self.reference):
                 raise AssertionError("raw GET: data differs from what was PUT")
 

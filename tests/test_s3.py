@@ -11,6 +11,7 @@ import unbroken
 from conftest import make_model, s3_client, train_steps
 from servers.faulty_proxy import FaultyProxy
 from unbroken import Checkpointer, CheckpointError
+from unbroken.storage.pacing import Pacing
 from unbroken.storage.s3 import MIN_PART, upload_parts
 
 
@@ -206,3 +207,41 @@ def test_reshard_reads_on_s3_share_requests_across_blocks(bucket):
     fill_regions(ckpt.storage, step_dir(1), targets, threads=2)
     assert all(torch.equal(out[k], state[k][10:310]) for k in state)
     assert ckpt.storage.requests["GET"] - before == 2  # type: ignore[attr-defined]
+
+
+def test_pacing_measures_round_trips_and_what_a_connection_moves():
+    pacing = Pacing()
+    pacing.record(8 << 20, 0.1)  # a large request but no round trip yet: nothing to go on
+    assert pacing.efficient_bytes() is None and pacing.round_trip is None
+    for seconds in (0.031, 0.029, 0.030):
+        pacing.record(0, seconds)  # HEADs
+    pacing.record(8 << 20, 0.130)  # 30 ms waiting, 100 ms moving 8 MiB
+    assert pacing.round_trip == 0.030
+    # waiting 30 ms is a tenth of a request of 9 x 30 ms x 80 MiB/s
+    assert pacing.efficient_bytes() == pytest.approx(9 * 0.030 * (8 << 20) / 0.100, rel=1e-6)
+
+
+def test_ranged_gets_grow_with_the_measured_round_trip(bucket, proxy):
+    """Behind a proxy that adds 200 ms to every request, the first restore reads 48 MiB in
+    GETs of 8 MiB (nothing measured yet); by the second, the storage has measured that a
+    GET must be far larger to spend most of its time moving bytes, and reads in GETs of the
+    part size (16 MiB): half as many."""
+    from unbroken.coalesce import MIN_PIECE, rules_for
+
+    uri, direct = bucket
+    proxy_server, _, slow = proxy
+    state = {"w": torch.randn(12 << 20)}
+    Checkpointer(uri, storage_options=direct).save(1, state)
+    proxy_server.inject("delay", lambda method, path: True, times=10**6, seconds=0.2)
+    reader = Checkpointer(uri, storage_options=slow | {"part_size": 16 << 20})
+    storage = reader.storage
+    assert rules_for(storage, 48 << 20, 16).most == MIN_PIECE
+    gets = []
+    for _ in range(2):
+        before = storage.requests["GET"]  # type: ignore[attr-defined]
+        fresh = {"w": torch.zeros(12 << 20)}
+        assert reader.restore(fresh) == 1 and torch.equal(fresh["w"], state["w"])
+        gets.append(storage.requests["GET"] - before)  # type: ignore[attr-defined]
+    assert storage.pacing.round_trip >= 0.2  # type: ignore[attr-defined]
+    assert rules_for(storage, 48 << 20, 16).most == 16 << 20
+    assert gets[0] - gets[1] == 3, gets  # 6 GETs of 8 MiB, then 3 of 16 MiB

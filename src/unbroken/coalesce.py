@@ -9,7 +9,9 @@ once, so every connection stays busy to the end. The `Rules` say how far to merg
 
 - on an object store (`rules_for`: a storage with many requests in flight and a part
   size), runs cross tensor boundaries and are cut into equal requests of at most the part
-  size, and smaller when the whole read would not otherwise give every connection one;
+  size, and smaller when the whole read would not otherwise give every connection one,
+  but never smaller than the storage measured a request must be to be worth its round
+  trip (`unbroken.storage.pacing`; `MIN_PIECE` until it has measured);
 - elsewhere (local files), only runs of small ranges are merged: a large block is read
   alone, straight into its destination, which a file system serves as fast.
 
@@ -28,9 +30,11 @@ from unbroken.blockio import read_into, read_range, read_scatter, run_all
 from unbroken.storage import Storage
 
 GAP_BYTES = 256 << 10  # object stores: bytes between two ranges read and dropped
-# Object stores: requests never get smaller than this. On a server with a few ms per
-# request (moto here, 7 ms for 4 KiB) a 1 MiB request spends as long waiting as moving bytes.
+# Object stores: requests are never smaller than this before the storage has measured its
+# round trips. On a server with a few ms per request (moto here, 7 ms for 4 KiB) a 1 MiB
+# request spends as long waiting as moving bytes.
 MIN_PIECE = 8 << 20
+FLOOR_PIECE = 1 << 20  # nor than this after: each request costs CPU at both ends
 # Local files: ranges under SMALL_BYTES join their neighbours, up to GROUP_BYTES a request.
 SMALL_BYTES = 1 << 20
 GROUP_BYTES = 16 << 20
@@ -120,8 +124,10 @@ def rules_for(storage: Storage, total: int, threads: int) -> Rules:
     part_size = getattr(storage, "part_size", None)
     in_flight = max(threads, storage.requests_in_flight)
     if storage.requests_in_flight > 1 and part_size:
+        measured = getattr(storage, "smallest_request", None)
+        smallest = MIN_PIECE if measured is None else max(FLOOR_PIECE, measured)
         # one request for 16 MiB would leave 15 connections idle
-        piece = min(part_size, max(MIN_PIECE, -(-total // max(1, in_flight))))
+        piece = min(part_size, max(smallest, -(-total // max(1, in_flight))))
         return Rules(gap=GAP_BYTES, small=None, most=piece, split=True)
     return Rules(gap=0, small=SMALL_BYTES, most=GROUP_BYTES, split=False)
 

@@ -19,92 +19,31 @@ multipart uploads, so that one chore goes through boto3.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
+import logging
 import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from functools import cached_property
 from typing import Any
 from urllib.parse import urlsplit
 
 from unbroken.errors import CheckpointError
+from unbroken.storage.pacing import Pacing
 from unbroken.storage.s3_errors import (
     EndpointUnreachable,
     boto3_credentials,
     no_such_bucket,
-    path_style_by_default,
     s3_error,
 )
+from unbroken.storage.s3_options import S3Options, addressing
 
-_MIB = 1 << 20
-MIN_PART = 5 * _MIB  # S3's smallest part, but the last
+__all__ = ["MIN_PART", "S3Options", "S3Storage", "upload_parts"]
 
-
-@dataclass(frozen=True, kw_only=True)
-class S3Options:
-    """How to reach a bucket. Credentials default to the usual AWS chain (environment,
-    ``~/.aws`` config and credentials files, SSO, instance roles); given here, they never
-    appear in a repr, an error or a log line.
-
-    Requests use TLS: an ``http://`` endpoint is refused unless its host is a loopback
-    address (``127.0.0.0/8``, ``::1``, ``localhost``: a server on this machine, allowed by
-    default) or ``allow_http=True`` says plain HTTP is wanted (credentials' signatures and
-    the checkpoint's bytes then cross the network unencrypted)."""
-
-    endpoint: str | None = None  # e.g. "http://127.0.0.1:7480"; default: AWS
-    allow_http: bool = False  # plain HTTP to an endpoint that is not loopback
-    region: str | None = None
-    # https://endpoint/bucket/key instead of https://bucket.endpoint/key; None: path style
-    # for an endpoint given as an IP address or localhost, as boto3 does
-    path_style: bool | None = None
-    access_key_id: str | None = field(default=None, repr=False)
-    secret_access_key: str | None = field(default=None, repr=False)
-    session_token: str | None = field(default=None, repr=False)
-    part_size: int = 16 * _MIB  # multipart part size, and ranged-GET piece size
-    concurrency: int = 16  # parts in flight per object, for uploads and downloads
-    timeout: float = 60.0  # seconds for one request
-    retry_timeout: float = 120.0  # seconds after the first attempt when retries stop
-    max_retries: int = 10
-
-    def __post_init__(self) -> None:
-        if self.part_size < 5 * _MIB:
-            raise ValueError(f"part_size={self.part_size}: S3 parts must be at least 5 MiB")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency={self.concurrency}: at least one request at a time")
-        if (self.access_key_id is None) != (self.secret_access_key is None):
-            raise ValueError("give both access_key_id and secret_access_key, or neither")
-        if self.endpoint and not self.allow_http and _plain_remote(self.endpoint):
-            raise ValueError(
-                f"endpoint {self.endpoint} is plain HTTP to a host that is not this machine: "
-                "credentials and checkpoints would cross the network unencrypted. Use "
-                "https://, or pass allow_http=True if that is what you want"
-            )
-        if self.path_style is False and self.endpoint and path_style_by_default(self.endpoint):
-            host = urlsplit(self.endpoint).hostname
-            if host != "localhost":
-                raise ValueError(
-                    f"path_style=False puts the bucket in the host name, and {self.endpoint} "
-                    "is an IP address: leave path_style out (an IP endpoint takes path-style "
-                    "requests by itself), or name the server by a host name"
-                )
-
-    @property
-    def uses_path_style(self) -> bool:
-        if self.path_style is None:
-            return path_style_by_default(self.endpoint)
-        return self.path_style
-
-    @classmethod
-    def from_dict(cls, options: dict[str, Any]) -> S3Options:
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(options) - known):
-            raise ValueError(f"unknown S3 storage options {unknown}; known: {sorted(known)}")
-        return cls(**options)
+MIN_PART = 5 << 20  # S3's smallest part, but the last
 
 
 class S3Storage:
@@ -155,6 +94,7 @@ class S3Storage:
         # costs on a store that bills per request
         self.requests: Counter[str] = Counter()
         self._counting = threading.Lock()
+        self.pacing = Pacing()  # what requests took: sizes the ranged GETs
 
     def _count(self, method: str, n: int = 1) -> None:
         with self._counting:
@@ -239,8 +179,11 @@ class S3Storage:
         import obstore
 
         self._count("GET")
+        start = time.monotonic()
         with self._request("GET", path):
-            return bytes(obstore.get(self.store, path).bytes())
+            data = bytes(obstore.get(self.store, path).bytes())
+        self.pacing.record(len(data), time.monotonic() - start)
+        return data
 
     @property
     def requests_in_flight(self) -> int:
@@ -248,8 +191,14 @@ class S3Storage:
 
     @property
     def part_size(self) -> int:
-        """The size of one upload part and of one ranged GET."""
+        """The size of one upload part, and the most a ranged GET reads."""
         return self.options.part_size
+
+    @property
+    def smallest_request(self) -> int | None:
+        """The smallest ranged GET worth its round trip, from what this storage's
+        requests took so far (`unbroken.storage.pacing`); None before any."""
+        return self.pacing.efficient_bytes()
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """In ranged GETs of ``part_size`` bytes, in parallel, each copied into ``out``
@@ -281,10 +230,11 @@ class S3Storage:
         import obstore
 
         self._count("GET")
-        end = offset + length
+        end, start = offset + length, time.monotonic()
         try:
             with self._request("GET", path, f" (bytes {offset}-{end})"):
                 data = memoryview(obstore.get_range(self.store, path, start=offset, length=length))
+            self.pacing.record(length, time.monotonic() - start)
         except CheckpointError as e:
             if self.size(path) < end:
                 raise EOFError(f"{self._where(path)} ends before byte {end}") from e
@@ -297,8 +247,11 @@ class S3Storage:
         import obstore
 
         self._count("HEAD")
+        start = time.monotonic()
         with self._request("HEAD", path):
-            return int(obstore.head(self.store, path)["size"])
+            size = int(obstore.head(self.store, path)["size"])
+        self.pacing.record(0, time.monotonic() - start)
+        return size
 
     def list(self, path: str) -> list[str]:
         import obstore
@@ -341,8 +294,6 @@ class S3Storage:
                         Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                     )
         except Exception as e:  # never hide the error that brought us here
-            import logging
-
             what = f"LIST and ABORT multipart uploads under {self._where(path)}"
             error = s3_error(what, e, time.monotonic() - start, self.options, self.bucket)
             logging.getLogger("unbroken").warning("could not abort uploads: %s", error)
@@ -361,7 +312,7 @@ class S3Storage:
             aws_secret_access_key=o.secret_access_key,
             aws_session_token=o.session_token,
             config=Config(
-                s3={"addressing_style": _addressing(o)},
+                s3={"addressing_style": addressing(o)},
                 retries={"mode": "standard", "max_attempts": 5},
             ),
         )
@@ -378,23 +329,3 @@ def upload_parts(total: int, part_size: int) -> tuple[int, int]:
     count = max(1, min(round(total / part_size), total // MIN_PART))  # parts >= 5 MiB
     part = max(-(-total // count), 1)
     return max(1, -(-total // part)), part
-
-
-def _addressing(options: S3Options) -> str:
-    if options.uses_path_style:
-        return "path"
-    return "virtual" if options.path_style is False else "auto"
-
-
-def _plain_remote(endpoint: str) -> bool:
-    """Whether ``endpoint`` is ``http://`` to a host other than this machine's loopback."""
-    parts = urlsplit(endpoint)
-    if parts.scheme.lower() != "http":
-        return False
-    host = (parts.hostname or "").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return False
-    try:
-        return not ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return True

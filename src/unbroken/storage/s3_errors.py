@@ -8,7 +8,6 @@ user acts on (the HTTP status and the server's error code, or why no connection 
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 from typing import Any
@@ -31,21 +30,6 @@ _PASS_KEYS = (
     "for temporary credentials), or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the "
     "environment of every rank, or AWS_PROFILE to a profile of the shared files"
 )
-
-
-def path_style_by_default(endpoint: str | None) -> bool:
-    """Path-style addressing for an endpoint given as an IP address or ``localhost``, as
-    boto3 does: no DNS name exists there to put the bucket in."""
-    host = urlsplit(endpoint).hostname if endpoint else None
-    if not host:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def boto3_credentials(uri: str, bucket: str) -> Any:
