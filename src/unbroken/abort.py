@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
-from unbroken.errors import CheckpointError
+from unbroken.errors import PeerLostError
 
 POLL_S = 0.05  # how often waits of the Checkpointer look for an abort
 
@@ -93,7 +93,7 @@ def check(what: str) -> None:
     """Raise if this generation was aborted (a peer failed). Waits on gloo work call
     this between bounded waits: gloo can miss waking an operation whose peer died."""
     if _aborted.is_set():
-        raise CheckpointError(
+        raise PeerLostError(
             f"{what}: stopped because a peer failed; in-process recovery restarts training"
         )
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken import abort
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, PeerLostError
 
 T = TypeVar("T")
 
@@ -60,7 +60,7 @@ class Comm:
     def wire(self) -> Iterator[None]:
         """Around work on the group: refuse it once a peer was lost, and note a loss."""
         if self.lost is not None:
-            raise CheckpointError(
+            raise PeerLostError(
                 f"the checkpointer's process group lost a peer earlier ({self.lost[:200]}); "
                 "it is not used again: restart the job, or let in-process recovery do it"
             )
@@ -158,9 +158,7 @@ def lost_peer(error: BaseException) -> bool:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         text = str(e).lower()
-        if isinstance(e, dist.DistNetworkError) or any(w in text for w in _GONE):
-            return True
-        if isinstance(e, CheckpointError) and "because a peer failed" in text:
+        if isinstance(e, dist.DistNetworkError | PeerLostError) or any(w in text for w in _GONE):
             return True
         e = e.__cause__ or e.__context__
     return False

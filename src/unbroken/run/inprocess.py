@@ -56,6 +56,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from unbroken import abort
+from unbroken.errors import PeerLostError
 from unbroken.run import contract, worker
 from unbroken.run.news import announce
 
@@ -295,7 +296,7 @@ def _peer_failure(error: BaseException) -> bool:
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, dist.DistError):
+        if isinstance(e, dist.DistError | PeerLostError):
             return True
         if isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _PEER_GONE):
             return True
