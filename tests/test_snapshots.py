@@ -94,3 +94,43 @@ def test_a_snapshot_never_waits_for_the_replication_of_the_one_before(tmp_path):
     results = run_ranks(_unblocked_job, str(tmp_path), timeout=80)
     assert all(r["returned_s"] < 10 and not r["replicated_early"] for r in results), results
     assert all(r["restored"] == 2 and r["equal"] for r in results), results
+
+
+def _kept_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Step 1 is replicated; step 2's replication is held up (the save worker is busy,
+    as when a node dies in the middle of it) and step 3 comes: which steps does each
+    rank then hold of itself, and of its peer?"""
+    os.environ["UNBROKEN_NODE"] = str(rank)  # two simulated nodes: replicas cross them
+    ckpt = Checkpointer(
+        os.path.join(root, "ckpt"), memory=True, replicas=1,
+        memory_dir=os.path.join(root, f"node-{rank}"), job="j",
+    )  # fmt: skip
+    state = {"w": torch.full((1000,), float(rank))}
+    ckpt.snapshot(1, state)
+    ckpt.wait()
+    gate = threading.Event()
+    ckpt._worker.submit(gate.wait, 60)
+    ckpt.snapshot(2, state)
+    memory = ckpt._memory
+    assert memory is not None
+    deadline = time.monotonic() + 30
+    while 2 not in memory.own.whole() and time.monotonic() < deadline:
+        time.sleep(0.01)  # sealed: now the newest, and still waiting to be sent
+    ckpt.snapshot(3, state)
+    while 3 not in memory.own.whole() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    held = {"own": sorted(memory.own.whole()), "peer": memory.steps_of().get(1 - rank, [])}
+    gate.set()
+    ckpt.wait()
+    ckpt.close()
+    return held
+
+
+@pytest.mark.timeout(90)
+def test_the_newest_step_the_peers_hold_is_kept_while_the_next_is_sent(tmp_path):
+    """Were a node lost now, its ranks could only come back to step 1 (their peers hold
+    nothing newer of them): the others must still hold step 1 of their own, or no step
+    would be common to every rank and all would go back to storage."""
+    results = run_ranks(_kept_job, str(tmp_path), timeout=80)
+    for held in results:
+        assert held["own"] == [1, 2, 3] and held["peer"] == [1], results

@@ -45,8 +45,9 @@ __all__ = ["OWN_SLOTS", "Block", "Copied", "MemoryTier", "Slots", "copy", "partn
 
 log = logging.getLogger("unbroken")
 
-# A rank's own: the newest whole, one checksummed or replicated in the background, and one the
-# next snapshot copies into without waiting, mapped only if the one before is still in flight.
+# A rank's own: the newest whole (with replicas, the newest the peers hold too: see
+# `Slots.keep`), one checksummed or replicated in the background, and one the next snapshot
+# copies into without waiting, mapped only if the one before is still in flight.
 OWN_SLOTS = 3
 Block = tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]  # key, data, offsets, shape
 
@@ -72,6 +73,7 @@ class Slots:
         self._writing: set[int] = set()  # begun, not yet released
         self._lock = threading.Lock()  # a snapshot begins while the last one is published
         self.newest: int | None = None  # the slot holding the newest snapshot
+        self.kept: int | None = None  # the newest one the peers hold too (see `keep`)
         self._newest_known = False  # found on first write: verifying slots costs a pass
 
     def _path(self, slot: int, ext: str) -> str:
@@ -86,7 +88,8 @@ class Slots:
                 held = self.whole()
                 self.newest = held[max(held)][0] if held else None
                 self._newest_known = True
-            free = [s for s in range(self.count) if s != self.newest and s not in self._writing]
+            taken = self._writing | {self.newest, self.kept}
+            free = [s for s in range(self.count) if s not in taken]
             if not free:
                 raise CheckpointError(f"{self.dir}: every slot is in use; release one first")
             slot = min(free, key=lambda s: (s not in self._buffers, self._step(s), s))
@@ -113,6 +116,14 @@ class Slots:
         """``slot`` is no longer being written or sent: a later `begin` may take it."""
         with self._lock:
             self._writing.discard(slot)
+
+    def keep(self, slot: int) -> None:
+        """``slot`` holds the newest snapshot replicated to the peers: keep it until a newer
+        one is. A lost node's ranks come back only to a step their peers hold a replica
+        of; had the others overwritten their own copy of it, no step in memory would be
+        common to every rank, and all would go back to storage."""
+        with self._lock:
+            self.kept = slot
 
     def publish(self, slot: int, manifest_json: str) -> None:
         """Describe ``slot``: from now on it counts. A manifest received from another

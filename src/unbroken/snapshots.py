@@ -8,9 +8,12 @@ the order the caller took the snapshots, so every rank issues the same collectiv
 same order.
 
 Slots (see `unbroken.memory.OWN_SLOTS`): the newest whole snapshot is never overwritten,
-nor one still being checksummed or sent. The next snapshot takes a third slot, so snapshot
-N+1 never waits for the checksum or the replication of N; snapshot N+2 waits until N is
-done (training cannot outrun its snapshots for long). What this costs: up to three copies
+nor one still being checksummed or sent, nor, with replicas, the newest one the peers
+hold a replica of (`Slots.keep`: else a node lost while step N is sent leaves its ranks
+only N-1 in their peers' memory, and the others only N and N+1 in theirs). The next
+snapshot takes a third slot, so snapshot N+1 never waits for the checksum or the
+replication of N; snapshot N+2 waits until N is done (training cannot outrun its
+snapshots for long). What this costs: up to three copies
 of a rank's state in /dev/shm instead of two; the third is mapped only when a snapshot
 comes while the one before is still in flight.
 
@@ -122,6 +125,7 @@ class Snapshots:
             if sealed.exception() is not None:
                 return  # recorded already; the peers time out in their own replication
             replicas.replicate(self._comm, self.memory, step, self._partners, self._sources)
+            self.memory.own.keep(copied.slot)
             self.memory.free_older(step)  # complete on every rank: older leftovers can go
         except BaseException as e:
             self._failed(step, e)
