@@ -201,11 +201,7 @@ class S3Rank:
 
         out = self.scratch.numpy().data
 
-        def pieces() -> list[tuple[str, int, int, int]]:
-            # unbroken's GET size for this many bytes now (coalesce.rules_for: the part
-            # size, or less when there would not be a GET for every connection, but no
-            # less than its storage measured a GET must be): (key, start in the object,
-            # start in the rank's bytes, length)
+        def pieces() -> list[tuple[str, int, int, int]]:  # in unbroken's GET size now
             length = rules_for(self.ckpt.storage, self.nbytes, CONCURRENCY).most
             return [
                 (key, start, off + start, min(length, n - start))

@@ -20,8 +20,8 @@ from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Manifest, step_dir
 from unbroken.memory import MemoryTier
+from unbroken.snapshots import blocks_of, copy, seal
 from unbroken.sources import Fill, MemorySource, ReplicaSource, Source, StorageSource
-from unbroken.state import capture
 from unbroken.storage import open_storage
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,8 +133,10 @@ def _memory(tmp_path: Any, case: str) -> tuple[str, str]:
 
 
 def _snapshot(tier: MemoryTier) -> None:
-    tensors, tree = capture(_state())
-    tier.write(STEP, [(k, t, (0,), tuple(t.shape)) for k, t in tensors.items()], tree)
+    blocks, tree = blocks_of(_state())
+    copied = copy(tier, STEP, blocks)
+    seal(tier, copied, tree)
+    tier.own.release(copied.slot)
 
 
 def _replica_job(rank: int, world: int, root: str, case: str) -> tuple[str, str, float] | None:

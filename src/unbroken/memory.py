@@ -25,23 +25,18 @@ import logging
 import os
 import shutil
 import threading
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from unbroken.access import Access
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import Chunk, Manifest, TensorEntry, checksum, dtype_name, verify_block
+from unbroken.format import Manifest, verify_block
 from unbroken.memory_paths import clean_abandoned, rank_of, safe, shared_root
 from unbroken.placement import partners, replica_layout
-from unbroken.shards import byte_view, packed
+from unbroken.shards import byte_view
 from unbroken.validate import snapshot_description
 
-__all__ = ["OWN_SLOTS", "Block", "Copied", "MemoryTier", "Slots", "copy", "partners",
-           "replica_layout", "seal"]  # fmt: skip
+__all__ = ["OWN_SLOTS", "Block", "MemoryTier", "Slots", "partners", "replica_layout"]
 
 log = logging.getLogger("unbroken")
 
@@ -219,18 +214,6 @@ class Slots:
         return manifest
 
 
-@dataclass
-class Copied:
-    """A snapshot copied into own slot ``slot``, not yet checksummed nor published:
-    ``blocks`` hold the views into the slot's buffer, ``starts`` their byte offsets."""
-
-    step: int
-    slot: int
-    size: int
-    blocks: list[Block]
-    starts: list[int]
-
-
 class MemoryTier:
     """The shared-memory snapshots of one rank of one job, and the replicas it keeps for
     its peers."""
@@ -250,16 +233,6 @@ class MemoryTier:
         self._replicas: dict[int, Slots] = {}
         self._others: dict[str, Slots] = {}  # folders of other rank numbers, by path
         self.access.write_text(os.path.join(self.root, f"owner-{rank:05d}"), str(os.getpid()))
-
-    def write(self, step: int, blocks: Sequence[Block], tree: dict[str, Any]) -> None:
-        """Copy ``(key, local block, offsets, global shape)`` blocks and the JSON ``tree``
-        into a free own slot, checksum and publish it, all in this thread (a snapshot
-        takes the steps apart: see `unbroken.snapshots`)."""
-        copied = copy(self, step, blocks)
-        try:
-            seal(self, copied, tree)
-        finally:
-            self.own.release(copied.slot)
 
     def replica(self, owner: int) -> Slots:
         """The slots holding this rank's replica of rank ``owner``'s snapshots."""
@@ -353,59 +326,3 @@ def _renamed(manifest: Manifest, file: str) -> str:
     size = sum(manifest.files.values())
     manifest.files = {file: size}
     return manifest.to_json().decode()
-
-
-def copy(
-    memory: MemoryTier, step: int, blocks: Sequence[Block], cache: dict[Any, Any] | None = None
-) -> Copied:
-    """Copy ``blocks`` into a free own slot (taken until ``memory.own.release``). With a
-    ``cache`` (the same dict on every call), a layout seen before reuses its offsets and
-    its views into a slot: a snapshot every step then costs little beyond the copy."""
-    cache = {} if cache is None else cache
-    layout = [(t.dtype, t.shape) for _, t, _, _ in blocks]
-    known = cache.get("layout")
-    if known is None or known[0] != layout:
-        known = cache["layout"] = (layout, *packed(t.nbytes for _, t, _, _ in blocks))
-    layout, starts, total = known
-    slot, buffer = memory.own.begin(total)
-    try:
-        hit = cache.get(slot)
-        if hit is None or hit[0] is not layout or hit[1] != buffer.data_ptr():
-            views = [
-                buffer[start : start + t.nbytes].view(t.dtype).view(t.shape)
-                for (_, t, _, _), start in zip(blocks, starts, strict=True)
-            ]
-            hit = cache[slot] = (layout, buffer.data_ptr(), views)
-        for view, (_, t, _, _) in zip(hit[2], blocks, strict=True):
-            view.copy_(t)
-    except BaseException:
-        memory.own.release(slot)
-        raise
-    copied = [(key, v, o, shape) for v, (key, _, o, shape) in zip(hit[2], blocks, strict=True)]
-    return Copied(step, slot, buffer.numel(), copied, starts)
-
-
-def seal(memory: MemoryTier, copied: Copied, tree: dict[str, Any]) -> None:
-    """Checksum the copy and publish its slot: from now on a restore may use it."""
-    file = f"slot-{copied.slot}.bin"
-    tensors = {}
-    for (key, view, offsets, shape), start in zip(copied.blocks, copied.starts, strict=True):
-        chunk = Chunk(
-            offsets=list(offsets),
-            shape=list(view.shape),
-            file=file,
-            start=start,
-            end=start + view.nbytes,
-            xxh3=checksum(byte_view(view)),
-        )
-        tensors[key] = TensorEntry(dtype=dtype_name(view.dtype), shape=list(shape), chunks=[chunk])
-    manifest = Manifest(
-        step=copied.step,
-        world_size=memory.world_size,
-        created=time.time(),
-        tensors=tensors,
-        objects=[tree],
-        rank_objects=[0] * memory.world_size,
-        files={file: copied.size},
-    )
-    memory.own.publish(copied.slot, manifest.to_json().decode())

@@ -1,7 +1,7 @@
 """Snapshots cheap enough to take every step.
 
 `Checkpointer.snapshot` keeps only the copy on the caller's thread: the state goes into a
-free shared-memory slot, a plain memcpy. Checksumming that copy and publishing it (the
+free shared-memory slot, a plain memcpy (`copy`; `seal` checksums and publishes it). Checksumming that copy and publishing it (the
 slot's JSON, written last: only then may a restore use it) run on a thread of their own,
 one snapshot after the other (`Sealer`); replication to the peers then runs on the save worker, in
 the order the caller took the snapshots, so every rank issues the same collectives in the
@@ -25,18 +25,21 @@ it never comes back from a torn or unverified copy.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from unbroken import replicas
 from unbroken.background import SaveThread, wait_for
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
-from unbroken.memory import OWN_SLOTS, Block, Copied, MemoryTier, copy, seal
+from unbroken.format import Chunk, Manifest, TensorEntry, checksum, dtype_name
+from unbroken.memory import OWN_SLOTS, Block, MemoryTier
 from unbroken.run import faults
-from unbroken.shards import local_block
+from unbroken.shards import byte_view, local_block, packed
 from unbroken.state import capture
 
 
@@ -165,3 +168,71 @@ class Sealer:
                     return
                 fn, args = self._queue.pop(0)
             fn(*args)  # the calls catch their own errors (see Snapshots._seal)
+
+
+@dataclass
+class Copied:
+    """A snapshot copied into own slot ``slot``, not yet checksummed nor published:
+    ``blocks`` hold the views into the slot's buffer, ``starts`` their byte offsets."""
+
+    step: int
+    slot: int
+    size: int
+    blocks: list[Block]
+    starts: list[int]
+
+
+def copy(
+    memory: MemoryTier, step: int, blocks: Sequence[Block], cache: dict[Any, Any] | None = None
+) -> Copied:
+    """Copy ``blocks`` into a free own slot (taken until ``memory.own.release``). With a
+    ``cache`` (the same dict on every call), a layout seen before reuses its offsets and
+    its views into a slot: a snapshot every step then costs little beyond the copy."""
+    cache = {} if cache is None else cache
+    layout = [(t.dtype, t.shape) for _, t, _, _ in blocks]
+    known = cache.get("layout")
+    if known is None or known[0] != layout:
+        known = cache["layout"] = (layout, *packed(t.nbytes for _, t, _, _ in blocks))
+    layout, starts, total = known
+    slot, buffer = memory.own.begin(total)
+    try:
+        hit = cache.get(slot)
+        if hit is None or hit[0] is not layout or hit[1] != buffer.data_ptr():
+            views = [
+                buffer[start : start + t.nbytes].view(t.dtype).view(t.shape)
+                for (_, t, _, _), start in zip(blocks, starts, strict=True)
+            ]
+            hit = cache[slot] = (layout, buffer.data_ptr(), views)
+        for view, (_, t, _, _) in zip(hit[2], blocks, strict=True):
+            view.copy_(t)
+    except BaseException:
+        memory.own.release(slot)
+        raise
+    copied = [(key, v, o, shape) for v, (key, _, o, shape) in zip(hit[2], blocks, strict=True)]
+    return Copied(step, slot, buffer.numel(), copied, starts)
+
+
+def seal(memory: MemoryTier, copied: Copied, tree: dict[str, Any]) -> None:
+    """Checksum the copy and publish its slot: from now on a restore may use it."""
+    file = f"slot-{copied.slot}.bin"
+    tensors = {}
+    for (key, view, offsets, shape), start in zip(copied.blocks, copied.starts, strict=True):
+        chunk = Chunk(
+            offsets=list(offsets),
+            shape=list(view.shape),
+            file=file,
+            start=start,
+            end=start + view.nbytes,
+            xxh3=checksum(byte_view(view)),
+        )
+        tensors[key] = TensorEntry(dtype=dtype_name(view.dtype), shape=list(shape), chunks=[chunk])
+    manifest = Manifest(
+        step=copied.step,
+        world_size=memory.world_size,
+        created=time.time(),
+        tensors=tensors,
+        objects=[tree],
+        rank_objects=[0] * memory.world_size,
+        files={file: copied.size},
+    )
+    memory.own.publish(copied.slot, manifest.to_json().decode())
