@@ -1,11 +1,11 @@
 """Snapshots cheap enough to take every step.
 
 `Checkpointer.snapshot` keeps only the copy on the caller's thread: the state goes into a
-free shared-memory slot, a plain memcpy (`copy`; `seal` checksums and publishes it). Checksumming that copy and publishing it (the
-slot's JSON, written last: only then may a restore use it) run on a thread of their own,
-one snapshot after the other (`Sealer`); replication to the peers then runs on the save worker, in
-the order the caller took the snapshots, so every rank issues the same collectives in the
-same order.
+free shared-memory slot, a plain memcpy (`copy`). Checksumming that copy and publishing it
+(`seal`: the slot's JSON, written last, and only then may a restore use it) run on a
+thread of their own, one snapshot after the other (`Sealer`); replication to the peers
+then runs on the save worker, in the order the caller took the snapshots, so every rank
+issues the same collectives in the same order.
 
 Slots (see `unbroken.memory.OWN_SLOTS`): the newest whole snapshot is never overwritten,
 nor one still being checksummed or sent, nor, with replicas, the newest one the peers
