@@ -367,3 +367,31 @@ def test_renumbered_ranks_find_their_state_in_any_peers_memory(tmp_path):
     kept = ["owner-00000", "owner-00001", "owner-00002", "owner-00003", "rank-00000",
             "rank-00001", "replicas", "rank-00002", "rank-00003"]  # fmt: skip
     assert results[0]["kept"] == kept, results[0]["kept"]
+
+
+def test_a_restore_from_memory_copies_the_slot_once_and_backs_up_nothing(tmp_path, monkeypatch):
+    """The slot, checked on opening, is what stands in for a backup: its bytes are copied
+    into the live tensors once every rank has read its part, and no copy of the state is
+    taken (an allocation and a copy of it, per rank, on every in-process recovery)."""
+    backed_up: list[int] = []
+
+    class Counted(unbroken.backup.Backup):
+        def __init__(self, regions):
+            super().__init__(regions)
+            backed_up.extend(copy.nbytes for _, copy in self._saved)
+
+    monkeypatch.setattr(unbroken.restoring, "Backup", Counted)
+    ckpt = _ckpt(tmp_path)
+    state = _state()
+    train_steps(state["model"], state["optim"], 2)
+    ckpt.snapshot(2, state)
+    ckpt.wait()
+    fresh = _state(seed=9)
+    assert _ckpt(tmp_path).restore(fresh) == 2
+    assert _equal(_weights(fresh), _weights(state))
+    assert (
+        fresh["optim"]
+        .state_dict()["state"][0]["exp_avg"]
+        .equal(state["optim"].state_dict()["state"][0]["exp_avg"])
+    )
+    assert sum(backed_up) == 0

@@ -170,6 +170,10 @@ class Slots:
         """The manifest of the slot holding ``step``, once every block has matched its
         checksum. `CheckpointError` if no whole slot holds it, `CorruptCheckpointError`
         naming the first damaged tensor."""
+        return self.checked(step)[0]
+
+    def checked(self, step: int) -> tuple[Manifest, torch.Tensor]:
+        """`verified`, and the slot's bytes that were checked (mapped: no copy)."""
         held = self.whole().get(step)
         if held is None:
             raise CheckpointError(f"{self.dir} holds no snapshot of step {step}")
@@ -180,7 +184,7 @@ class Slots:
             chunk = entry.chunks[0]
             view = byte_view(buffer[chunk.start : chunk.end])
             verify_block(view, chunk.xxh3, f"{self._path(slot, 'bin')}: tensor {key!r}")
-        return manifest
+        return manifest, buffer
 
     def intact(self, step: int) -> Manifest | None:
         """`verified`, or None (saying why, if the copy is damaged)."""

@@ -211,15 +211,32 @@ class MemorySource(_Files):
         self.slots, self.step = slots, step
         self.origin = Origin("memory", step)
         self._manifest: Manifest | None = None
+        self._bytes = torch.empty(0, dtype=torch.uint8)  # the slot's, once opened
 
     def open(self) -> Manifest:
         if self._manifest is None:
-            self._manifest = self.slots.verified(self.step)
+            self._manifest, self._bytes = self.slots.checked(self.step)
         return self._manifest
 
-    def holds(self, fill: Fill) -> bool:
-        # A slot is written over by a later snapshot: map none of it past its check.
-        return False
+    def check(self, manifest: Manifest, files: set[str]) -> None:
+        """Nothing left to check: opening checked every block, in pages that stay mapped."""
+
+    def read(
+        self, manifest: Manifest, fills: Sequence[Fill], threads: int
+    ) -> Callable[[], None] | None:
+        """Whole blocks stay in the slot, checked on opening and mapped already, until
+        ``place()`` copies them into the live tensors; parts of blocks are read as files.
+        Nothing writes the slot meanwhile: only this rank's `snapshot` writes its own
+        slots, and a snapshot's replicas arrive only in a replication every rank joins."""
+        whole = [(f, chunk) for f in fills if self.holds(f) and (chunk := f.exact())]
+        super().read(manifest, [f for f in fills if not self.holds(f)], threads)
+        data = self._bytes
+
+        def place() -> None:
+            for f, chunk in whole:
+                byte_view(f.region)[:] = byte_view(data[chunk.start : chunk.end])
+
+        return place
 
 
 class ReplicaSource:
