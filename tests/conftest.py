@@ -133,3 +133,27 @@ def rgw_bucket(rgw: RGW) -> tuple[str, dict]:
         "retry_timeout": 10.0,
     }
     return f"s3://{name}/runs/exp", options
+
+
+class BackupSpy:
+    """Counts the bytes restores back up (`unbroken.restoring.Backup`, spied on)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import unbroken.backup
+        import unbroken.restoring
+
+        self.nbytes = 0
+        spy = self
+
+        class Counted(unbroken.backup.Backup):
+            def __init__(self, regions: object) -> None:
+                super().__init__(regions)  # type: ignore[arg-type]
+                spy.nbytes += sum(copy.nbytes for _, copy in self._saved)
+
+        monkeypatch.setattr(unbroken.restoring, "Backup", Counted)
+
+
+@pytest.fixture
+def backups(monkeypatch: pytest.MonkeyPatch) -> BackupSpy:
+    """From now on in this test, how many bytes restores back up (``backups.nbytes``)."""
+    return BackupSpy(monkeypatch)

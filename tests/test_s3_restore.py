@@ -39,29 +39,13 @@ def _damage(ckpt, uri, options, key):
     client.put_object(Bucket=bucket, Key=name, Body=bytes(data))
 
 
-class _Backups:
-    """Counts the bytes restores back up (a spy on `unbroken.restoring.Backup`)."""
-
-    def __init__(self, monkeypatch):
-        self.nbytes = 0
-        spy = self
-
-        class Counted(unbroken.backup.Backup):
-            def __init__(self, regions):
-                super().__init__(regions)
-                spy.nbytes += sum(copy.nbytes for _, copy in self._saved)
-
-        monkeypatch.setattr(unbroken.restoring, "Backup", Counted)
-
-
 def test_a_damaged_block_from_s3_or_a_file_changes_nothing_and_costs_no_backup(
-    bucket, tmp_path, monkeypatch
+    bucket, tmp_path, backups
 ):
     uri, options = bucket
     state = _state()
     saver = Checkpointer(uri, storage_options=options)
     saver.save(1, state)
-    backups = _Backups(monkeypatch)
 
     fresh = _zeros(state)
     assert Checkpointer(uri, storage_options=options).restore(fresh) == 1
