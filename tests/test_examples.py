@@ -90,7 +90,7 @@ def test_fsdp2_example_saves_each_ranks_shards(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_ddp_example_recovers_a_killed_rank_from_memory(tmp_path):
-    fault = "kill rank=1 step=7"
+    fault = "kill rank=1 step=8"
     out, timeline = launch(
         tmp_path,
         "--nproc-per-node=2",
@@ -100,10 +100,12 @@ def test_ddp_example_recovers_a_killed_rank_from_memory(tmp_path):
         args=[f"--dir={tmp_path / 'ckpt'}", "--steps=10", "--save-every=5"],
     )
     [recovery] = timeline["recoveries"]
-    assert (recovery["fault"], recovery["first_step"], recovery["steps_redone"]) == (fault, 7, 1)
-    # Storage holds step 5; the snapshots in memory hold step 6, the step before the fault.
+    # Storage holds step 5 at most. Snapshot 7 returned once step 6 was published; step 7
+    # is too unless its checksum was still running when the kill came: memory, 6 or 7.
+    assert recovery["fault"] == fault and recovery["steps_redone"] in (1, 2)
+    resumed = recovery["first_step"] - 1
     for rank in (0, 1):
-        assert f"rank {rank}: resumed from step 6 (memory)" in out
+        assert f"rank {rank}: resumed from step {resumed} (memory)" in out
         assert f"rank {rank}: finished at step 10" in out
 
 

@@ -134,3 +134,31 @@ def test_the_newest_step_the_peers_hold_is_kept_while_the_next_is_sent(tmp_path)
     results = run_ranks(_kept_job, str(tmp_path), timeout=80)
     for held in results:
         assert held["own"] == [1, 2, 3] and held["peer"] == [1], results
+
+
+def test_a_crash_after_a_snapshot_returned_finds_the_step_before_whole(tmp_path, monkeypatch):
+    """Step 1's checksum is slow (a loaded machine): snapshot 2 returns only once step 1
+    is published, so a process killed after it comes back from step 1 or 2, not older."""
+    gate = threading.Event()
+
+    def slow_seal(memory, copied, tree) -> None:
+        if copied.step == 1:
+            gate.wait(60)
+        seal(memory, copied, tree)
+
+    monkeypatch.setattr("unbroken.snapshots.seal", slow_seal)
+    ckpt = _ckpt(str(tmp_path))
+    state = {"w": torch.ones(1000)}
+    ckpt.snapshot(1, state)
+    second = threading.Thread(target=ckpt.snapshot, args=(2, state))
+    second.start()
+    second.join(0.5)
+    memory = ckpt._memory
+    assert memory is not None
+    assert second.is_alive() and memory.own.whole() == {}  # waiting for step 1, unpublished
+    gate.set()
+    second.join(30)
+    assert not second.is_alive() and 1 in memory.own.whole()
+    ckpt.wait()
+    assert sorted(memory.own.whole()) == [1, 2]
+    ckpt.close()

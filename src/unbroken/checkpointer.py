@@ -272,8 +272,10 @@ class Checkpointer:
         Cheap enough for every step: it only copies ``state`` into a free slot. The
         checksums and publishing (only then may a restore use it) and, with ``replicas``,
         sending it to the peers (collective: every rank snapshots the same steps) run in
-        the background; the next snapshot never waits for them (a third slot: see
-        `unbroken.snapshots` for what it costs)."""
+        the background; the next snapshot never waits for the sending (a third slot: see
+        `unbroken.snapshots` for what it costs), and for the publishing only if it took
+        longer than the training step in between: a crash after ``snapshot`` returned
+        comes back from this step or the one before."""
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
         worker.tick(step)

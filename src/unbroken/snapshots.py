@@ -11,15 +11,16 @@ Slots (see `unbroken.memory.OWN_SLOTS`): the newest whole snapshot is never over
 nor one still being checksummed or sent, nor, with replicas, the newest one the peers
 hold a replica of (`Slots.keep`: else a node lost while step N is sent leaves its ranks
 only N-1 in their peers' memory, and the others only N and N+1 in theirs). The next
-snapshot takes a third slot, so snapshot N+1 never waits for the checksum or the
-replication of N; snapshot N+2 waits until N is done (training cannot outrun its
-snapshots for long). What this costs: up to three copies
-of a rank's state in /dev/shm instead of two; the third is mapped only when a snapshot
-comes while the one before is still in flight.
+snapshot takes a third slot, so snapshot N+1 never waits for the replication of N;
+snapshot N+2 waits until N is done (training cannot outrun its snapshots for long). What
+this costs: up to three copies of a rank's state in /dev/shm instead of two; the third is
+mapped only when a snapshot comes while the one before is still in flight.
 
-What a crash loses: a snapshot becomes visible once it is published. A process killed
-right after `snapshot` returned may come back from the step before (its slot is whole);
-it never comes back from a torn or unverified copy.
+What a crash loses: a snapshot becomes visible once it is published. Snapshot N+1 waits
+for N to be published, which it is unless its checksum took longer than the training
+step in between (the background is then behind anyway): a process killed right after
+`snapshot` returned comes back from that step or the one before, never from older; it
+never comes back from a torn or unverified copy.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Snapshots:
         self._partners, self._sources, self._failed = partners, sources, failed
         self._sealer = Sealer()
         self._holding: list[Future[None]] = []  # jobs holding an own slot, oldest first
+        self._sealed: Future[None] | None = None  # the newest snapshot's publishing
         self._cache: dict[Any, Any] = {}  # see `copy`
 
     @property
@@ -85,6 +87,8 @@ class Snapshots:
         # A free slot needs the newest whole one kept and at most OWN_SLOTS - 2 in flight.
         while len(self._holding) > OWN_SLOTS - 2:
             wait_for([self._holding.pop(0)], f"snapshot of step {step}: waiting for a slot")
+        if self._sealed is not None:  # once this returns, a crash finds the step before whole
+            wait_for([self._sealed], f"snapshot of step {step}: publishing the one before")
         blocks, tree = blocks_of(state)
         try:
             copied = copy(self.memory, step, blocks, self._cache)
@@ -98,6 +102,7 @@ class Snapshots:
         faults.point("snapshot-copy")
         sealed: Future[None] = Future()
         self._sealer.submit(self._seal, copied, tree, sealed)
+        self._sealed = sealed
         last = self._worker.submit(self._replicate, copied, sealed) if self.replicated else sealed
         self._holding.append(last)
         return last
