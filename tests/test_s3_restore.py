@@ -96,6 +96,31 @@ def test_a_rank_whose_read_fails_leaves_every_ranks_state_as_it_was(bucket):
     assert same0 and same1  # rank 0's bytes were never placed
 
 
+def _manifest_reads(rank, world, uri, options):
+    state = _state(rank)
+    Checkpointer(uri, storage_options=options).save(1, state)
+    reader = Checkpointer(uri, storage_options=options)
+    storage, read, names = reader.storage, reader.storage.read, []
+
+    def counted(name):
+        names.append(name)
+        return read(name)
+
+    storage.read = counted  # type: ignore[method-assign]
+    live = _zeros(state)
+    step = reader.restore(live)
+    same = all(torch.equal(live[k], state[k]) for k in state)
+    return step, same, sum(n.endswith("manifest.json") for n in names)
+
+
+def test_one_rank_reads_the_manifest_for_the_job(bucket):
+    """Rank 0 fetches it while choosing the step and hands it to the others with the
+    choice: one request for the job, not one per rank."""
+    uri, options = bucket
+    results = run_ranks(_manifest_reads, uri, options, timeout=120)
+    assert results == [(1, True, 1), (1, True, 0)]
+
+
 def test_read_range_and_read_scatter_take_one_request(bucket):
     uri, options = bucket
     storage = S3Storage(uri, S3Options(**options))

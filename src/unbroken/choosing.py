@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from unbroken import replicas
 from unbroken.directory import Directory
@@ -58,24 +59,26 @@ def choose(
     rejected = set() if rejected is None else rejected
     bad_memory = {s for tier, s in rejected if tier == "memory"}
     bad_storage = {s for tier, s in rejected if tier == "storage"}
-    requested = comm.all_gather(step)
-    if len(set(requested)) > 1:
-        raise CheckpointError(
-            f"ranks disagree on the step to restore: {dict(enumerate(requested))}; "
-            "every rank must call restore() with the same step"
-        )
     while True:
-        in_memory = _in_memory(comm, memory, bad_memory)
+        in_memory = _in_memory(comm, memory, bad_memory, step)
 
-        def pick(in_memory: dict[int, dict[int, list[int]]] = in_memory) -> int | None:
-            return _pick(directory, step, in_memory, bad_storage) if comm.rank == 0 else None
+        def pick(in_memory: dict[int, dict[int, list[int]]] = in_memory) -> list[Any]:
+            """On rank 0: the step, and the manifest's bytes if they come from storage
+            (one request for the job; latin-1 carries any byte through JSON)."""
+            if comm.rank != 0:
+                return []
+            chosen = _pick(directory, step, in_memory, bad_storage)
+            if chosen is None or chosen in in_memory:
+                return [chosen, None]
+            return [chosen, directory.manifest_bytes(chosen).decode("latin-1")]
 
-        chosen: int | None = comm.broadcast(comm.together("finding a checkpoint", pick))
+        chosen, text = comm.broadcast(comm.together("finding a checkpoint", pick))
         if chosen is None:
             return None
         if chosen not in in_memory:
             origins = (Origin("storage", chosen),) * comm.world_size
-            return Choice(step=chosen, source=StorageSource(directory, chosen), origins=origins)
+            source = StorageSource(directory, chosen, text.encode("latin-1"))
+            return Choice(step=chosen, source=source, origins=origins)
         assert memory is not None
         choice = _from_memory(comm, memory, chosen, in_memory[chosen])
         if choice is not None:
@@ -99,11 +102,7 @@ def _pick(
     step in memory or on storage, memory winning a tie. Steps in ``bad`` are damaged on
     storage: the next older committed one is taken (a listing, on this rare path)."""
     if step is not None:
-        if step in bad:
-            return None
-        if step not in in_memory:
-            directory.manifest(step)  # raises a clear error if it is not committed
-        return step
+        return None if step in bad else step  # not committed: reading its manifest says so
     stored = directory.latest()
     if stored in bad:
         stored = max((s for s in directory.steps() if s not in bad), default=None)
@@ -158,19 +157,26 @@ def _from_memory(
 
 
 def _in_memory(
-    comm: Comm, memory: MemoryTier | None, rejected: set[int]
+    comm: Comm, memory: MemoryTier | None, rejected: set[int], step: int | None
 ) -> dict[int, dict[int, list[int]]]:
     """The steps every rank can get from shared memory: from its node's memory, or, for
     a rank whose copy is gone, from a peer that holds one. Copies are found by the rank
     that saved them, in any folder of any node (ranks renumbered by a restart find
-    theirs where they are). ``{step: {lost rank: holders}}``. Collective."""
+    theirs where they are). ``{step: {lost rank: holders}}``. Collective; the same
+    exchange checks that every rank asked for the same ``step``."""
     own: list[int] = []
     kept: dict[str, list[int]] = {}
     if memory is not None:
         held = memory.steps_of()
         own = held.pop(comm.rank, [])
         kept = {str(o): steps for o, steps in held.items()}
-    table = comm.all_gather([own, kept])
+    rows = comm.all_gather([step, own, kept])
+    if len({requested for requested, _, _ in rows}) > 1:
+        raise CheckpointError(
+            f"ranks disagree on the step to restore: {dict(enumerate(r[0] for r in rows))}; "
+            "every rank must call restore() with the same step"
+        )
+    table = [(own, kept) for _, own, kept in rows]
     found = {}
     for candidate in {s for steps, _ in table for s in steps} | {
         s for _, k in table for steps in k.values() for s in steps

@@ -46,14 +46,21 @@ class Directory:
             if not steps:
                 raise CheckpointError(f"{self.path} holds no committed checkpoint")
             step = steps[-1]
-        where = f"{self.path}/{step_dir(step)}/{MANIFEST}"
+        return self.parse(step, self.manifest_bytes(step))
+
+    def manifest_bytes(self, step: int) -> bytes:
+        """The stored manifest of ``step``, unparsed; a clear error if it is not committed."""
         try:
-            data = self.storage.read(f"{step_dir(step)}/{MANIFEST}")
+            return self.storage.read(f"{step_dir(step)}/{MANIFEST}")
         except FileNotFoundError:
             raise CheckpointError(
                 f"{self.path} has no committed checkpoint for step {step}; committed steps: "
                 f"{_summary(self.steps())}"
             ) from None
+
+    def parse(self, step: int, data: bytes) -> Manifest:
+        """``data``, the manifest of ``step``, checked (see `unbroken.validate`)."""
+        where = f"{self.path}/{step_dir(step)}/{MANIFEST}"
         manifest = Manifest.from_json(data, where)
         if manifest.step != step:
             raise CheckpointError(f"{where} says it is step {manifest.step}, not {step}")

@@ -185,16 +185,21 @@ class _Files:
 class StorageSource(_Files):
     """A committed checkpoint in a `Directory`."""
 
-    def __init__(self, directory: Directory, step: int) -> None:
+    def __init__(self, directory: Directory, step: int, data: bytes | None = None) -> None:
+        """``data``: the manifest's bytes, if another rank fetched them (one request for
+        the job, not one per rank)."""
         folder = step_dir(step)
         super().__init__(directory.storage, folder, f"{directory.path}/{folder}", verified=False)
-        self.directory, self.step = directory, step
+        self.directory, self.step, self._data = directory, step, data
         self.origin = Origin("storage", step)
         self._manifest: Manifest | None = None
 
     def open(self) -> Manifest:
         if self._manifest is None:
-            self._manifest = self.directory.manifest(self.step)
+            data = self._data
+            if data is None:
+                data = self.directory.manifest_bytes(self.step)
+            self._manifest = self.directory.parse(self.step, data)
         return self._manifest
 
 
