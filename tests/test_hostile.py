@@ -128,15 +128,25 @@ def test_deep_nesting_and_bad_bytes_are_refused(data: bytes) -> None:
         Manifest.from_json(data, "m.json")
 
 
-def test_validation_is_cheap() -> None:
-    """100k chunks validate and parse in well under a second: restore does not notice."""
+def test_validation_is_linear_and_as_cheap_as_parsing() -> None:
+    """100k chunks parse and validate in a few times what ``json.loads`` takes for the
+    same text (best of three each, side by side: a loaded machine slows both): nothing
+    in validation grows faster than the manifest."""
+
+    def best(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(3):
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
+        return min(times)
+
     text = json.dumps(good(100_000)).encode()
-    begin = time.perf_counter()
     manifest = Manifest.from_json(text, "m.json")
-    took = time.perf_counter() - begin
     assert len(manifest.tensors["w"].chunks) == 100_000
-    print(f"100k-chunk manifest ({len(text) >> 20} MiB) parsed and validated in {took:.3f} s")
-    assert took < 3.0
+    took, parse = best(lambda: Manifest.from_json(text, "m.json")), best(lambda: json.loads(text))
+    print(f"100k-chunk manifest: {took:.3f} s to parse and validate, json.loads {parse:.3f} s")
+    assert took < 10 * parse
 
 
 json_values = st.recursive(

@@ -162,3 +162,52 @@ def test_a_crash_after_a_snapshot_returned_finds_the_step_before_whole(tmp_path,
     ckpt.wait()
     assert sorted(memory.own.whole()) == [1, 2]
     ckpt.close()
+
+
+def test_a_failure_the_snapshot_waited_for_is_raised_before_a_slot_is_overwritten(
+    tmp_path, monkeypatch
+):
+    """Step 2's publishing fails while snapshot 3 waits for it (as a replication fails
+    when a peer dies): snapshot 3 raises it and copies nothing. Overwriting a slot then
+    could destroy the only step some rank still holds (test_examples' DDP kill)."""
+    gate = threading.Event()
+
+    def failing_seal(memory, copied, tree) -> None:
+        if copied.step == 2:
+            gate.wait(60)
+            raise OSError("the disk under the slot went away")
+        seal(memory, copied, tree)
+
+    monkeypatch.setattr("unbroken.snapshots.seal", failing_seal)
+    ckpt = _ckpt(str(tmp_path))
+    state = {"w": torch.ones(1000)}
+    ckpt.snapshot(1, state)
+    ckpt.snapshot(2, state)
+    memory = ckpt._memory
+    assert memory is not None
+    copied: list[int] = []
+    begin = memory.own.begin
+
+    def counted(nbytes: int) -> tuple[int, torch.Tensor]:
+        copied.append(nbytes)
+        return begin(nbytes)
+
+    monkeypatch.setattr(memory.own, "begin", counted)
+    errors: list[BaseException] = []
+
+    def third() -> None:
+        try:
+            ckpt.snapshot(3, state)
+        except CheckpointError as e:
+            errors.append(e)
+
+    waiting = threading.Thread(target=third)
+    waiting.start()
+    waiting.join(0.3)  # inside snapshot 3, waiting for step 2
+    gate.set()
+    waiting.join(30)
+    assert [str(e) for e in errors] == [
+        "the background save of step 2 failed: the disk under the slot went away"
+    ]
+    assert copied == [] and sorted(memory.own.whole()) == [1]
+    ckpt.close()

@@ -273,19 +273,19 @@ class Checkpointer:
         checksums and publishing (only then may a restore use it) and, with ``replicas``,
         sending it to the peers (collective: every rank snapshots the same steps) run in
         the background; the next snapshot never waits for the sending (a third slot: see
-        `unbroken.snapshots` for what it costs), and for the publishing only if it took
-        longer than the training step in between: a crash after ``snapshot`` returned
-        comes back from this step or the one before."""
+        `unbroken.snapshots`), and for the publishing only if it outlasted the step in
+        between: a crash after ``snapshot`` returned comes back from it or the one before."""
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
         worker.tick(step)
-        self._surface_failure()
         self._stepper.observe(state, self._memory)
         if self._snapshots is None:
             self._snapshots = Snapshots(
                 self._memory, self._comm, self._worker, self._replica_partners,
                 self._replica_sources, self._snapshot_failed,
             )  # fmt: skip
+        self._snapshots.make_room(step)
+        self._surface_failure()  # before a slot is overwritten (see `Snapshots.make_room`)
         self._replicating = self._snapshots.take(step, state)
 
     def _snapshot_failed(self, step: int, error: BaseException) -> None:

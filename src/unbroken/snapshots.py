@@ -80,15 +80,21 @@ class Snapshots:
     def replicated(self) -> bool:
         return bool(self._partners or self._sources)
 
-    def take(self, step: int, state: Any) -> Future[None]:
-        """Copy ``state`` as ``step`` and start sealing it (and replicating it); returns
-        the future of the last background job for this snapshot."""
+    def make_room(self, step: int) -> None:
+        """Wait for what snapshot ``step`` needs of the ones before: a free slot (the
+        newest whole one kept, at most OWN_SLOTS - 2 in flight) and the one before
+        published (once ``step`` is taken, a crash finds that one whole). A failure among
+        them is reported to ``failed`` before this returns: the caller raises it before
+        a slot is overwritten (after a lost peer, every slot may be a rank's last copy)."""
         self._holding = [f for f in self._holding if not f.done()]
-        # A free slot needs the newest whole one kept and at most OWN_SLOTS - 2 in flight.
         while len(self._holding) > OWN_SLOTS - 2:
             wait_for([self._holding.pop(0)], f"snapshot of step {step}: waiting for a slot")
-        if self._sealed is not None:  # once this returns, a crash finds the step before whole
+        if self._sealed is not None:
             wait_for([self._sealed], f"snapshot of step {step}: publishing the one before")
+
+    def take(self, step: int, state: Any) -> Future[None]:
+        """Copy ``state`` as ``step`` (after `make_room`) and start sealing it (and
+        replicating it); returns the future of the last background job for it."""
         blocks, tree = blocks_of(state)
         try:
             copied = copy(self.memory, step, blocks, self._cache)

@@ -10,7 +10,7 @@ never meets a KeyError, an IndexError or a terabyte allocation later.
 The checks are hand-written rather than a JSON Schema: the cross-field rules (a range
 inside its file, a region inside its tensor, no overlap) are not expressible in one, and
 one pass over the chunks is cheap (measured: ~0.3 s for 100k chunks, see
-tests/test_hostile.py::test_validation_is_cheap).
+tests/test_hostile.py::test_validation_is_linear_and_as_cheap_as_parsing).
 """
 
 from __future__ import annotations
