@@ -125,7 +125,7 @@ def method_rows(
             if name == "unbroken":
                 ok = passed[key] = fraction[key] >= TARGET_OF_LIMIT[op]
                 note = (
-                    f"{'PASS' if ok else 'FAIL'}: {fraction[key]:.0%} of raw (need "
+                    f"{'PASS' if ok else 'FAIL'}: {fraction[key]:.1%} of raw (need "
                     f"{TARGET_OF_LIMIT[op]:.0%})"
                 )
             elif name == "dcp" and op == "restore" and connector.get("restore_source"):
