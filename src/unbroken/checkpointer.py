@@ -278,14 +278,13 @@ class Checkpointer:
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
         worker.tick(step)
+        self._surface_failure()
         self._stepper.observe(state, self._memory)
         if self._snapshots is None:
-            self._snapshots = Snapshots(
-                self._memory, self._comm, self._worker, self._replica_partners,
-                self._replica_sources, self._snapshot_failed,
-            )  # fmt: skip
+            peers = (self._replica_partners, self._replica_sources, self._snapshot_failed)
+            self._snapshots = Snapshots(self._memory, self._comm, self._worker, *peers)
         self._snapshots.make_room(step)
-        self._surface_failure()  # before a slot is overwritten (see `Snapshots.make_room`)
+        self._surface_failure()  # what it waited for failed: see `Snapshots.make_room`
         self._replicating = self._snapshots.take(step, state)
 
     def _snapshot_failed(self, step: int, error: BaseException) -> None:
