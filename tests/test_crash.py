@@ -133,13 +133,18 @@ def _snapshot_until_killed(rank: int, world: int, root: str, spec: str, victim: 
         threading.Thread(target=_die_with, args=(root, victim), daemon=True).start()
     faults.arm(spec, rank=rank)
     log = os.path.join(root, f"log-{rank}")
-    for step in range(1, 9):
-        with open(log, "a") as f:
-            f.write(f"begin {step}\n")
-        ckpt.snapshot(step, {"w": _value(rank, step), "meta": {"step": step}})
-        ckpt.wait()  # complete on every rank, replicas included
-        with open(log, "a") as f:
-            f.write(f"done {step}\n")
+    try:
+        for step in range(1, 9):
+            with open(log, "a") as f:
+                f.write(f"begin {step}\n")
+            ckpt.snapshot(step, {"w": _value(rank, step), "meta": {"step": step}})
+            ckpt.wait()  # complete on every rank, replicas included
+            with open(log, "a") as f:
+                f.write(f"done {step}\n")
+    except Exception:
+        if rank == victim:
+            raise
+        time.sleep(60)  # the survivor saw its peer go first: it waits to be killed
     os.kill(os.getpid(), signal.SIGKILL)  # not reached: the point never fired
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from unbroken import Checkpointer
+from unbroken import Checkpointer, shards
 from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format import Manifest, step_dir
@@ -227,3 +228,40 @@ def test_a_source_that_disappears_mid_read_is_a_clear_error(attempt, request):
         return
     assert kind == "CheckpointError", message
     assert "disappeared" in message
+
+
+class _SlowSizes:
+    """A storage whose size requests take a round trip of 50 ms, counting how many are
+    in flight at once."""
+
+    requests_in_flight = 8
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.now, self.most = inner, 0, 0
+        self.lock = threading.Lock()
+
+    def size(self, path: str) -> int:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        time.sleep(0.05)
+        with self.lock:
+            self.now -= 1
+        return int(self.inner.size(path))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_restore_checks_its_files_sizes_at_once(tmp_path, monkeypatch):
+    """A rank reading six files waits for one round trip of size requests, not six."""
+    monkeypatch.setattr(shards, "FILE_BYTES", 1 << 10)  # a file per tensor
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(6)}
+    Checkpointer(str(tmp_path)).save(STEP, state)
+    ckpt = Checkpointer(str(tmp_path))
+    assert len(ckpt.manifest(STEP).files) == 6
+    ckpt.storage = slow = _SlowSizes(ckpt.storage)
+    back = {key: torch.zeros(1024) for key in state}
+    assert ckpt.restore(back) == STEP
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert slow.most == 6

@@ -13,7 +13,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -152,6 +152,17 @@ class Chunk:
     def nbytes(self) -> int:
         return self.end - self.start
 
+    def to_dict(self) -> dict[str, Any]:
+        """As the manifest stores it: the optional fields only when set."""
+        out: dict[str, Any] = {
+            "offsets": self.offsets, "shape": self.shape, "file": self.file,
+            "start": self.start, "end": self.end, "xxh3": self.xxh3,
+        }  # fmt: skip
+        for name in ("ranks", "pieces", "piece_bytes"):
+            if (value := getattr(self, name)) is not None:
+                out[name] = value
+        return out
+
 
 @dataclass(kw_only=True)
 class TensorEntry:
@@ -185,13 +196,18 @@ class Manifest:
         return sum(self.files.values())
 
     def to_json(self) -> bytes:
-        body = asdict(self)
-        for entry in body["tensors"].values():
-            for chunk in entry["chunks"]:
-                for optional in ("ranks", "pieces", "piece_bytes"):
-                    if chunk[optional] is None:
-                        del chunk[optional]
-        return json.dumps({"format": FORMAT, **body}, separators=(",", ":")).encode()
+        # By hand, not dataclasses.asdict: its deep copy took most of a save's commit
+        # (14 ms of 18 for a 180 KB manifest).
+        tensors = {
+            key: {"dtype": e.dtype, "shape": e.shape, "chunks": [c.to_dict() for c in e.chunks]}
+            for key, e in self.tensors.items()
+        }
+        body = {
+            "format": FORMAT, "step": self.step, "world_size": self.world_size,
+            "created": self.created, "tensors": tensors, "objects": self.objects,
+            "rank_objects": self.rank_objects, "files": self.files, "version": self.version,
+        }  # fmt: skip
+        return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:

@@ -73,8 +73,7 @@ def manifests(comm: Comm, memory: MemoryTier, step: int, plan: dict[int, int]) -
 
     # Together: a provider that lacks the step fails every rank, rather than leaving
     # the others waiting for its manifest.
-    offers = comm.together(f"sharing the replicas' manifests of step {step}", offer)
-    published = comm.all_gather(offers)
+    published = comm.gathered(f"sharing the replicas' manifests of step {step}", offer)
     if comm.rank not in plan:
         return None
     text: str = published[plan[comm.rank]][str(comm.rank)]

@@ -2,9 +2,10 @@
 
 Persisting is collective. Its phases, each ending with every rank agreeing:
 
-1. hash every staged block and agree on the step (or on skipping it);
-2. write: each rank writes the blocks the plan gives it (replicated ones once in all)
-   and makes them durable;
+1. agree on the step (or on skipping it) and on every rank's blocks, then hash the blocks
+   another rank holds too (the plan writes a replicated block once, by checksum);
+2. write: each rank writes the blocks the plan gives it and makes them durable, hashing
+   those it alone holds meanwhile (`unbroken.describing`);
 3. commit: rank 0 writes the manifest atomically. Only now does the step exist.
 """
 
@@ -15,23 +16,24 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from unbroken import claims
-from unbroken.blockio import run_all
 from unbroken.collector import INFO, Collector
+from unbroken.describing import Sums, checksums, layout, shared, with_checksums
 from unbroken.directory import Directory
 from unbroken.dist import Comm
 from unbroken.errors import CheckpointError, StorageError
-from unbroken.format import Manifest, block_checksums, dtype_name, step_dir
+from unbroken.format import Manifest, step_dir
 from unbroken.plan import Block, WritePlan, make_plan
 from unbroken.retention import Info
 from unbroken.run import faults, worker
 from unbroken.sdc import Replicated, guard
-from unbroken.shards import byte_view, local_block, write_blocks
+from unbroken.shards import local_block, write_blocks
 from unbroken.staging import Arena
 from unbroken.state import capture
 
@@ -129,11 +131,8 @@ def persist(ctx: SaveContext, staged: Staged) -> bool:
 def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
     started = time.perf_counter()
     comm, step = ctx.comm, staged.step
-    blocks = comm.together(
-        f"saving step {step}",
-        lambda: explained(ctx, f"saving step {step}", lambda: _describe(ctx, staged)),
-    )
-    rows = comm.all_gather([step, staged.skipped, [b.to_json() for b in blocks]])
+    what = f"saving step {step}"
+    rows = comm.gathered(what, lambda: explained(ctx, what, lambda: _layout(staged)))
     if skippers := [rank for rank, row in enumerate(rows) if row[1]]:
         if comm.rank == 0:
             log.warning(
@@ -148,23 +147,20 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
             f"ranks disagree on the step to save: {dict(enumerate(steps))}; "
             "every rank must call save() with the same step"
         )
-    plan = make_plan(by_rank := [[Block.from_json(b) for b in row[2]] for row in rows])
+    by_rank = [[Block.from_json(b) for b in row[2]] for row in rows]
+    early = shared(by_rank[comm.rank], by_rank)
+    sums = comm.gathered(what, lambda: explained(ctx, what, lambda: _hash(ctx, staged, early)))
+    plan = make_plan(by_rank := with_checksums(by_rank, sums))
     writing.append(True)
     guard(ctx.replicated, comm.rank, ctx.directory.storage, step, by_rank)
-    mine = set(plan.writes[comm.rank])
-    to_write = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
-    locations, sizes = comm.together(
+    info = Info(step, time.time(), staged.metric)
+    gathered = comm.gathered(
         f"writing step {step}",
         lambda: explained(
-            ctx, f"writing step {step}",
-            lambda: write_blocks(
-                ctx.directory.storage, step_dir(step), comm.rank, to_write, ctx.io_threads
-            ),
+            ctx, f"writing step {step}", lambda: _write(ctx, staged, plan, sums[comm.rank], info)
         ),
-    )  # fmt: skip
+    )
     faults.point("data-written")
-    gathered = comm.all_gather([locations, sizes, staged.tree])
-    info = Info(step, time.time(), staged.metric)
     comm.together(
         f"committing step {step}",
         lambda: explained(
@@ -223,65 +219,64 @@ def _remove_failed(ctx: SaveContext, step: int) -> None:
         log.warning("could not remove what the failed save of step %d wrote: %s", step, e)
 
 
-def _describe(ctx: SaveContext, staged: Staged) -> list[Block]:
-    """This rank's blocks, hashed, once its staged copies have landed. Rank 0 first
-    clears the way (see `_clear`), in parallel with the hashing, which runs on
-    ``io_threads`` of the process's IO workers (xxh3 releases the GIL)."""
+def _layout(staged: Staged) -> list[Any]:
+    """What this rank saves, for the plan: the step, whether it skips it, its blocks."""
     if staged.error is not None:
         raise CheckpointError(staged.error)
+    return [staged.step, staged.skipped, [b.to_json() for b in layout(staged)]]
+
+
+def _hash(ctx: SaveContext, staged: Staged, keys: list[str]) -> Sums:
+    """The checksums of ``keys`` (the blocks other ranks hold too), once the staged copies
+    have landed; on rank 0, beside them, clearing the way for the step (`_clear`)."""
     if staged.ready is not None:
         staged.ready.synchronize()
-    todo = [i for i, key in enumerate(staged.keys) if key not in staged.aliases]
-    sums: dict[str, dict[str, Any]] = {}  # an alias has its original's bytes: hashed once
+    clear = (lambda: _clear(ctx, staged.step, staged.rollback_from)) if ctx.comm.rank == 0 else None
+    return checksums(staged, keys, ctx.io_threads, clear)
 
-    def hash_one(i: int) -> None:
-        if i < 0:  # rank 0's turn to clear the way
-            _clear(ctx, staged.step, staged.rollback_from)
-        else:
-            sums[staged.keys[i]] = asdict(block_checksums(byte_view(staged.blocks[i])))
 
-    if ctx.comm.rank == 0 and not staged.skipped:
-        todo.insert(0, -1)
-    run_all(hash_one, todo, max(2, ctx.io_threads))
-    blocks = []
-    for key, t, offsets, shape in zip(
-        staged.keys, staged.blocks, staged.offsets, staged.shapes, strict=True
-    ):
-        alias = staged.aliases.get(key)
-        blocks.append(
-            Block(
-                key=key,
-                dtype=dtype_name(t.dtype),
-                shape=shape,
-                offsets=offsets,
-                local_shape=tuple(t.shape),
-                nbytes=t.nbytes,
-                alias_of=alias,
-                **sums[alias or key],
-            )
+def _write(
+    ctx: SaveContext, staged: Staged, plan: WritePlan, hashed: Sums, info: Info
+) -> list[Any]:
+    """Write this rank's blocks of the plan; meanwhile hash those not ``hashed`` yet (the
+    blocks this rank alone holds) and, on rank 0, write the step's info. Returns where
+    the blocks went, the files' sizes, this rank's tree and the late checksums."""
+    rank, storage, folder = ctx.comm.rank, ctx.directory.storage, step_dir(info.step)
+    mine = set(plan.writes[rank])
+    blocks = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
+    with ThreadPoolExecutor(2) as side:
+        hashing = side.submit(
+            checksums, staged, [k for k, _ in blocks if k not in hashed], ctx.io_threads
         )
-    return blocks
+        text = json.dumps({"created": info.created, "metric": info.metric}).encode()
+        noted = side.submit(storage.write, f"{folder}/{INFO}", [text]) if rank == 0 else None
+        where = write_blocks(storage, folder, rank, blocks, ctx.io_threads)
+        if noted is not None:
+            noted.result()
+        return [*where, staged.tree, hashing.result()]
 
 
 def _commit(ctx: SaveContext, info: Info, plan: WritePlan, gathered: list[Any]) -> None:
-    """On rank 0: the step's info for retention, then the manifest, from the plan and
-    where every rank wrote its blocks."""
+    """On rank 0, once the step's claim is found still ours: the manifest, from the plan
+    and where every rank wrote its blocks and their late checksums."""
     if ctx.comm.rank != 0:
         return
     step = info.step
     claims.verify(ctx.directory.storage, ctx.directory.path, step)
-    ctx.directory.storage.write(
-        f"{step_dir(step)}/{INFO}",
-        [json.dumps({"created": info.created, "metric": info.metric}).encode()],
-    )
     files: dict[str, int] = {}
     trees: list[dict[str, Any]] = []
     rank_objects: list[int] = []
-    for rank, (where, rank_sizes, rank_tree) in enumerate(gathered):
+    for rank, (where, rank_sizes, rank_tree, sums) in enumerate(gathered):
         files.update(rank_sizes)
         for key, (file, start, end) in where.items():
             chunk = plan.chunk_of[rank, key]
             chunk.file, chunk.start, chunk.end = file, start, end
+            if (late := sums.get(key)) is not None:  # hashed while it was written
+                chunk.xxh3, chunk.pieces, chunk.piece_bytes = (
+                    late["xxh3"],
+                    late["pieces"],
+                    late["piece_bytes"],
+                )
         if rank_tree not in trees:
             trees.append(rank_tree)
         rank_objects.append(trees.index(rank_tree))
