@@ -41,6 +41,19 @@ def test_latest_follows_the_pointer_and_falls_back_to_listing(directory, tmp_pat
     assert directory.latest() == 3
 
 
+def test_pointed_is_the_pointer_unchecked_and_a_restore_survives_a_stale_one(directory, tmp_path):
+    directory.delete(3)
+    assert directory.pointed() == 3  # what the pointer says, gone or not
+    assert directory.latest() == 2
+    # A restore reads the pointed step's manifest without asking first whether it is
+    # there; when it is gone, the listing says which step is the newest.
+    state = {"w": torch.zeros(4)}
+    assert Checkpointer(tmp_path).restore(state) == 2
+    assert torch.equal(state["w"], torch.full((4,), 2.0))
+    (tmp_path / LATEST).unlink()
+    assert directory.pointed() == 2  # no pointer: by listing
+
+
 def test_delete_removes_the_manifest_first_and_the_step_whole(directory, tmp_path):
     directory.delete(1)
     assert directory.steps() == [2, 3] and not (tmp_path / step_dir(1)).exists()

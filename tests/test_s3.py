@@ -173,6 +173,8 @@ def test_restore_coalesces_reads_across_tensors_and_counts_requests(bucket):
     # 50 MiB in pieces of 8 MiB or the part size, whichever is less, across tensor
     # boundaries: 7 to 10 ranged GETs (plus the manifest's), not one per tensor
     assert reader.storage.requests["GET"] <= 10 + 3, reader.storage.requests  # type: ignore[attr-defined]
+    # One HEAD: the shard file's size. The pointed step's manifest is read without one.
+    assert reader.storage.requests["HEAD"] == 1, reader.storage.requests  # type: ignore[attr-defined]
 
 
 @settings(max_examples=200, deadline=None)

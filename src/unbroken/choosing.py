@@ -10,7 +10,7 @@ makes every rank pass the step over and choose again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,14 +63,7 @@ def choose(
         in_memory = _in_memory(comm, memory, bad_memory, step)
 
         def pick(in_memory: dict[int, dict[int, list[int]]] = in_memory) -> list[Any]:
-            """On rank 0: the step, and the manifest's bytes if they come from storage
-            (one request for the job; latin-1 carries any byte through JSON)."""
-            if comm.rank != 0:
-                return []
-            chosen = _pick(directory, step, in_memory, bad_storage)
-            if chosen is None or chosen in in_memory:
-                return [chosen, None]
-            return [chosen, directory.manifest_bytes(chosen).decode("latin-1")]
+            return [] if comm.rank else _on_rank_0(directory, step, in_memory, bad_storage)
 
         chosen, text = comm.broadcast(comm.together("finding a checkpoint", pick))
         if chosen is None:
@@ -95,15 +88,39 @@ def fell_back(step: int, tier: str, reason: str) -> None:
     worker.event("fallback", step=step, tier=tier, reason=reason[:500])
 
 
-def _pick(
+def _on_rank_0(
     directory: Directory, step: int | None, in_memory: Mapping[int, object], bad: set[int]
-) -> int | None:
+) -> list[Any]:
+    """The step, and the manifest's bytes if they come from storage (one request for the
+    job; latin-1 carries any byte through JSON). The step the ``latest`` pointer names is
+    not checked first: reading its manifest checks it, a request sooner."""
+    chosen = _pick(directory, step, in_memory, bad, directory.pointed)
+    if chosen is None or chosen in in_memory:
+        return [chosen, None]
+    try:
+        data = directory.manifest_bytes(chosen)
+    except CheckpointError:
+        if step is not None:
+            raise
+        # The pointer names a step that is gone: the listing says which is the newest.
+        chosen = _pick(directory, step, in_memory, bad, directory.latest)
+        if chosen is None or chosen in in_memory:
+            return [chosen, None]
+        data = directory.manifest_bytes(chosen)
+    return [chosen, data.decode("latin-1")]
+
+
+def _pick(
+    directory: Directory, step: int | None, in_memory: Mapping[int, object], bad: set[int],
+    newest_stored: Callable[[], int | None],
+) -> int | None:  # fmt: skip
     """On rank 0: ``step`` if given (it must be in memory or committed), else the newest
-    step in memory or on storage, memory winning a tie. Steps in ``bad`` are damaged on
-    storage: the next older committed one is taken (a listing, on this rare path)."""
+    step in memory or on storage (``newest_stored``), memory winning a tie. Steps in
+    ``bad`` are damaged on storage: the next older committed one is taken (a listing, on
+    this rare path)."""
     if step is not None:
         return None if step in bad else step  # not committed: reading its manifest says so
-    stored = directory.latest()
+    stored = newest_stored()
     if stored in bad:
         stored = max((s for s in directory.steps() if s not in bad), default=None)
     newest = max(in_memory, default=None)

@@ -70,14 +70,21 @@ class Directory:
         """The newest committed step, from the ``latest`` pointer (no listing, which is
         slow and throttled on object stores); by listing if the pointer is absent or
         points at a step that is gone."""
-        try:
-            step = latest_step(self.storage.read(LATEST))  # validate: hostile pointers
-            if self.is_committed(step):
-                return step
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            pass
+        step = self.pointed()
+        if step is None or self.is_committed(step):
+            return step
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def pointed(self) -> int | None:
+        """The step the ``latest`` pointer names, not checked to be committed (a caller
+        about to read its manifest finds out that way, a request sooner); by listing if
+        the pointer is absent or malformed."""
+        try:
+            return latest_step(self.storage.read(LATEST))  # validate: hostile pointers
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            steps = self.steps()
+            return steps[-1] if steps else None
 
     def leftovers(self) -> list[str]:
         """Step directories without a manifest, and temporary copies of the ``latest``
