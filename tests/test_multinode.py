@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -214,7 +215,11 @@ def test_hung_rank_is_found_and_replaced_in_process_bitwise(cluster, reference):
     c = cluster("--heartbeat-timeout=3", "--inject-fault=hang rank=2 step=9")
     run = run_plain(c)
     check(run, reference, replaced={2})
-    assert "did not answer the abort" in c.log()
+    log = c.log()
+    assert "made no progress" in log  # found by its heartbeats
+    # Killed when it did not answer the abort; or, when the abort reached a collective
+    # its background thread was in, ended by gloo first (seen once in CI).
+    assert "did not answer the abort" in log or re.search(r"rank 2 \(pid \d+\) exited", log)
 
 
 @pytest.mark.timeout(120)
