@@ -16,13 +16,13 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from unbroken import claims
+from unbroken.blockio import run_all
 from unbroken.collector import INFO, Collector
 from unbroken.describing import Sums, checksums, layout, shared, with_checksums
 from unbroken.directory import Directory
@@ -244,16 +244,17 @@ def _write(
     rank, storage, folder = ctx.comm.rank, ctx.directory.storage, step_dir(info.step)
     mine = set(plan.writes[rank])
     blocks = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
-    with ThreadPoolExecutor(2) as side:
-        hashing = side.submit(
-            checksums, staged, [k for k, _ in blocks if k not in hashed], ctx.io_threads
-        )
-        text = json.dumps({"created": info.created, "metric": info.metric}).encode()
-        noted = side.submit(storage.write, f"{folder}/{INFO}", [text]) if rank == 0 else None
-        where = write_blocks(storage, folder, rank, blocks, ctx.io_threads)
-        if noted is not None:
-            noted.result()
-        return [*where, staged.tree, hashing.result()]
+    later = [k for k, _ in blocks if k not in hashed]
+    text = json.dumps({"created": info.created, "metric": info.metric}).encode()
+    out: dict[str, Any] = {}
+    jobs: list[Callable[[], object]] = [  # side by side on the process's IO workers
+        lambda: out.update(where=write_blocks(storage, folder, rank, blocks, ctx.io_threads)),
+        lambda: out.update(sums=checksums(staged, later, ctx.io_threads)),
+    ]
+    if rank == 0:
+        jobs.append(lambda: storage.write(f"{folder}/{INFO}", [text]))
+    run_all(lambda job: job(), jobs, len(jobs))
+    return [*out["where"], staged.tree, out["sums"]]
 
 
 def _commit(ctx: SaveContext, info: Info, plan: WritePlan, gathered: list[Any]) -> None:
