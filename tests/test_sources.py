@@ -173,7 +173,7 @@ def _replica_job(rank: int, world: int, root: str, case: str) -> tuple[str, str,
                 _, first = replicas.blocks(Manifest.from_json(offered.encode(), "replica"))[0]
                 dist.send(data[first.start : first.end], group=comm.group, group_dst=1)
                 os._exit(0)
-            replicas.wait(replicas.send(comm, memory, step, plan))
+            replicas.send(comm, memory, step, plan).wait()
             return _state()
         assert text is not None
         return _load(ReplicaSource(comm, 0, step, text), rank)

@@ -89,8 +89,7 @@ class Cadence:
             return action, preempted
         mine = _ACTIONS.index(action) if self._comm.rank == 0 else 0
         flags = torch.tensor([mine, int(preempted)], dtype=torch.int64)
-        with self._comm.wire():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._comm.group)
+        self._comm.all_reduce_max(flags)
         return _ACTIONS[int(flags[0])], bool(flags[1])
 
     @property

@@ -16,6 +16,14 @@ Once a collective or transfer fails because a peer is gone, the group is not use
 (`Comm.wire`): a rank that issues its next collective while a peer is still inside an
 earlier one can pair two different operations, and gloo ends the process (std::terminate
 on "Received data size doesn't match expected size") instead of raising.
+
+No gloo thread ever runs Python for the checkpointer's operations (`lent`). One that
+drops a tensor's second reference must take the GIL, and creates a Python thread state
+to do so: a fork at that instant (a DataLoader starting its workers, right after a
+restore or beside a background save) copies CPython's lock on the thread list held, and
+the child hangs before it runs a line (CPython before 3.11.10: gh-112275). Right after a
+collective returned, gloo still held one of its tensors about a third of the time
+(measured, 2 ranks on 2 cores); the demo's resumed run hung about once in 20.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -37,6 +46,7 @@ T = TypeVar("T")
 
 # How gloo and torch's store say that the other end of a connection is gone.
 _GONE = ("connection closed", "connection reset", "broken pipe", "read error", "write error")
+_LET_GO_S = 1.0  # gloo lets go microseconds after an operation ends; past this, give up
 
 
 class Comm:
@@ -76,13 +86,15 @@ class Comm:
         if self.group is None:
             return [obj]
         data = json.dumps(obj).encode()
+        size = torch.tensor([len(data)])
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        with self.wire():
-            dist.all_gather(sizes, torch.tensor([len(data)]), group=self.group)
-            longest = max(int(s) for s in sizes)
-            mine = torch.zeros(longest, dtype=torch.uint8)
-            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        with self.wire(), lent(size, *sizes):
+            dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        with self.wire(), lent(mine, *out):
             dist.all_gather(out, mine, group=self.group)
         return [json.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
 
@@ -92,11 +104,12 @@ class Comm:
             return obj
         data = json.dumps(obj).encode() if self.rank == 0 else b""
         size = torch.tensor([len(data)])
-        with self.wire():
+        with self.wire(), lent(size):
             dist.broadcast(size, group=self.group, group_src=0)
-            buf = torch.empty(int(size), dtype=torch.uint8)
-            if self.rank == 0:
-                buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = torch.empty(int(size), dtype=torch.uint8)
+        if self.rank == 0:
+            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        with self.wire(), lent(buf):
             dist.broadcast(buf, group=self.group, group_src=0)
         return json.loads(buf.numpy().tobytes())
 
@@ -104,8 +117,23 @@ class Comm:
         """Fill ``data`` on every rank with its contents on rank ``src``."""
         if self.group is not None:
             tensor = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
-            with self.wire():
+            with self.wire(), lent(tensor):
                 dist.broadcast(tensor, group=self.group, group_src=src)
+
+    def all_reduce_max(self, values: torch.Tensor) -> None:
+        """Every rank's ``values`` become the elementwise maximum over the ranks."""
+        if self.group is not None:
+            with self.wire(), lent(values):
+                dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+
+    def p2p(self, kind: object, tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.P2POp:
+        """A send (``dist.isend``) or receive (``dist.irecv``) of ``tensor`` with ``peer``,
+        for `start`."""
+        return dist.P2POp(kind, tensor, group=self.group, tag=tag, group_peer=peer)  # type: ignore[arg-type]
+
+    def start(self, ops: Sequence[dist.P2POp]) -> Transfers:
+        """Start ``ops`` together (no order between pairs to deadlock on)."""
+        return Transfers(ops)
 
     def together(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on every rank; if it fails on any rank, raise on every rank.
@@ -141,6 +169,49 @@ class Comm:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+class Transfers:
+    """Point-to-point transfers under way; `wait` returns once all are done and gloo has
+    let go of their tensors."""
+
+    def __init__(self, ops: Sequence[dist.P2POp]) -> None:
+        self._kept = _Kept([op.tensor for op in ops])
+        self._works = list(dist.batch_isend_irecv(list(ops))) if ops else []
+
+    def wait(self) -> None:
+        while self._works:  # each dropped once done: a gloo Work holds its tensors
+            self._works.pop(0).wait()
+        self._kept.release()
+
+
+@contextlib.contextmanager
+def lent(*tensors: torch.Tensor) -> Iterator[None]:
+    """Around a gloo operation on ``tensors``: gloo's threads never take the GIL for
+    them, and none holds them once the block is left (the module's docstring says why)."""
+    kept = _Kept(tensors)
+    yield
+    kept.release()
+
+
+class _Kept:
+    """An extra reference to each tensor (a view holds its base), from before gloo takes
+    its own until after gloo dropped them. torch takes the GIL where a tensor's count of
+    C++ references moves between one and two (its Python object is kept alive by the
+    second): with this one, gloo's never do, so gloo's threads never touch Python."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._views = [t.view(t.shape) for t in tensors]
+        self._tensors = tensors
+        self._counts = [t._use_count() for t in tensors]  # type: ignore[attr-defined]
+
+    def release(self) -> None:
+        deadline = time.monotonic() + _LET_GO_S
+        while any(t._use_count() > n for t, n in zip(self._tensors, self._counts, strict=True)):  # type: ignore[attr-defined]
+            if time.monotonic() > deadline:
+                break  # something else took a reference meanwhile: nothing to wait for
+            time.sleep(0.0001)
+        self._views.clear()  # on this thread, which holds the GIL
 
 
 @contextlib.contextmanager

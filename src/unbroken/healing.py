@@ -250,16 +250,11 @@ def _receive(
             t = local(tensors[key])
             t = t if t.device.type == "cpu" and t.is_contiguous() else t.cpu().contiguous()
             for lost in serves:
-                ops.append(_p2p(dist.isend, t, lost, comm))
+                ops.append(comm.p2p(dist.isend, t, lost))
     if comm.rank in chosen.source:
         for key in sorted(targets):
-            ops.append(_p2p(dist.irecv, targets[key], chosen.source[comm.rank], comm))
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
-
-
-def _p2p(kind: object, t: torch.Tensor, peer: int, comm: Comm) -> dist.P2POp:
-    return dist.P2POp(kind, t, group=comm.group, group_peer=peer)  # type: ignore[arg-type]
+            ops.append(comm.p2p(dist.irecv, targets[key], chosen.source[comm.rank]))
+    comm.start(ops).wait()
 
 
 def _load(

@@ -88,11 +88,11 @@ def read(
 ) -> Callable[[], None] | None:  # fmt: skip
     """Read ``fills`` from the chosen source while serving the replicas this rank
     provides; returns what places the bytes the source held (see `Source.read`)."""
-    sending = []
+    sending = comm.start([])
     if choice.serves and memory_tier is not None:
         sending = replicas.send(comm, memory_tier, choice.step, choice.serves)
     place = choice.source.read(manifest, fills, threads)
-    replicas.wait(sending)
+    sending.wait()
     return place
 
 

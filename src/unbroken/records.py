@@ -252,12 +252,6 @@ TAG = 1  # records travel on the training thread while replicas (tag 0) may be o
 
 
 def _run(comm: Comm, out: dict[int, torch.Tensor], into: dict[int, torch.Tensor]) -> None:
-    ops = [_op(dist.isend, t, p, comm) for p, t in out.items()]
-    ops += [_op(dist.irecv, t, p, comm) for p, t in into.items()]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-
-def _op(kind: object, t: torch.Tensor, peer: int, comm: Comm) -> dist.P2POp:
-    return dist.P2POp(kind, t, group=comm.group, tag=TAG, group_peer=peer)  # type: ignore[arg-type]
+    ops = [comm.p2p(dist.isend, t, p, TAG) for p, t in out.items()]
+    ops += [comm.p2p(dist.irecv, t, p, TAG) for p, t in into.items()]
+    comm.start(ops).wait()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from unbroken.dist import Comm
+from unbroken.dist import Comm, Transfers
 from unbroken.errors import CheckpointError
 from unbroken.format import Chunk, Manifest
 from unbroken.memory import MemoryTier
@@ -29,7 +29,7 @@ def replicate(comm: Comm, memory: MemoryTier, step: int, to: list[int], sources:
     sizes = comm.all_gather([header.numel(), data.numel()])
     ops, arriving = [], []
     for peer in to:
-        ops += [_op(dist.isend, header, peer, comm), _op(dist.isend, data, peer, comm)]
+        ops += [comm.p2p(dist.isend, header, peer), comm.p2p(dist.isend, data, peer)]
 
     def make_room() -> None:  # a rank that has none fails them all: nobody waits to send
         for owner in sources:
@@ -43,12 +43,12 @@ def replicate(comm: Comm, memory: MemoryTier, step: int, to: list[int], sources:
                     "file system more room (docker --shm-size, a larger /dev/shm)"
                 ) from e
             arriving.append((slots, slot, torch.empty(sizes[owner][0], dtype=torch.uint8)))
-            ops.extend(_op(dist.irecv, t, owner, comm) for t in (arriving[-1][2], buffer))
+            ops.extend(comm.p2p(dist.irecv, t, owner) for t in (arriving[-1][2], buffer))
 
     try:
         comm.together(f"making room for the replicas of step {step}", make_room)
         with comm.wire():  # a transfer that lost its peer ends the group's use
-            wait(_start(ops))
+            comm.start(ops).wait()
         faults.point("replica-transfer")
         for slots, slot, got_header in arriving:
             slots.publish(slot, got_header.numpy().tobytes().decode())
@@ -80,7 +80,7 @@ def manifests(comm: Comm, memory: MemoryTier, step: int, plan: dict[int, int]) -
     return text
 
 
-def send(comm: Comm, memory: MemoryTier, step: int, plan: dict[int, int]) -> list[dist.Work]:
+def send(comm: Comm, memory: MemoryTier, step: int, plan: dict[int, int]) -> Transfers:
     """Start sending, block by block, the replicas this rank provides under ``plan``."""
     ops = []
     for lost, provider in sorted(plan.items()):
@@ -88,13 +88,13 @@ def send(comm: Comm, memory: MemoryTier, step: int, plan: dict[int, int]) -> lis
             slots = memory.holding(lost, step)
             text, data = slots.raw(step)
             for _, chunk in blocks(Manifest.from_json(text.encode(), slots.dir)):
-                ops.append(_op(dist.isend, data[chunk.start : chunk.end], lost, comm))
-    return _start(ops)
+                ops.append(comm.p2p(dist.isend, data[chunk.start : chunk.end], lost))
+    return comm.start(ops)
 
 
 def receive(
     comm: Comm, manifest: Manifest, provider: int, into: dict[str, torch.Tensor]
-) -> list[dist.Work]:
+) -> Transfers:
     """Start receiving this rank's replica from ``provider``, block by block, straight
     into ``into[key]`` (a byte tensor of the block's size), or a scratch buffer for the
     blocks nobody wants."""
@@ -103,24 +103,11 @@ def receive(
         target = into.get(key)
         if target is None:
             target = torch.empty(chunk.nbytes, dtype=torch.uint8)
-        ops.append(_op(dist.irecv, target, provider, comm))
-    return _start(ops)
+        ops.append(comm.p2p(dist.irecv, target, provider))
+    return comm.start(ops)
 
 
 def blocks(manifest: Manifest) -> list[tuple[str, Chunk]]:
     """The blocks of a snapshot, in the order both ends of a transfer use."""
     found = [(key, entry.chunks[0]) for key, entry in manifest.tensors.items()]
     return sorted(((k, c) for k, c in found if c.nbytes), key=lambda kc: kc[1].start)
-
-
-def wait(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
-
-
-def _start(ops: list[dist.P2POp]) -> list[dist.Work]:
-    return list(dist.batch_isend_irecv(ops)) if ops else []
-
-
-def _op(kind: object, tensor: torch.Tensor, peer: int, comm: Comm) -> dist.P2POp:
-    return dist.P2POp(kind, tensor, group=comm.group, group_peer=peer)  # type: ignore[arg-type]

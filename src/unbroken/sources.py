@@ -295,7 +295,7 @@ class ReplicaSource:
             arriving.append((f.key, chunk, buffer, f.region))
         into = {key: data.reshape(-1).view(torch.uint8) for key, _, data, _ in arriving}
         try:
-            replicas.wait(replicas.receive(self.comm, manifest, self.provider, into))
+            replicas.receive(self.comm, manifest, self.provider, into).wait()
         except RuntimeError as e:  # gloo: the provider died, or the transfer timed out
             raise CheckpointError(
                 f"{self.where} disappeared during the transfer ({e}): its provider failed; "
