@@ -57,7 +57,7 @@ def _held_after_each_operation(rank: int, world: int) -> dict[str, int]:
             handed.clear()
             operation(i)
             assert handed, f"{what} handed gloo no tensor"
-            held[what] += any(t._use_count() > 1 for t in handed)
+            held[what] += any(t._use_count() > 1 for t in handed)  # type: ignore[attr-defined]
     comm.close()
     return held
 
