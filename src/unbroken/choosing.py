@@ -95,19 +95,23 @@ def _on_rank_0(
     job; latin-1 carries any byte through JSON). The step the ``latest`` pointer names is
     not checked first: reading its manifest checks it, a request sooner."""
     chosen = _pick(directory, step, in_memory, bad, directory.pointed)
-    if chosen is None or chosen in in_memory:
-        return [chosen, None]
     try:
-        data = directory.manifest_bytes(chosen)
+        return _with_manifest(directory, chosen, in_memory)
     except CheckpointError:
         if step is not None:
             raise
-        # The pointer names a step that is gone: the listing says which is the newest.
-        chosen = _pick(directory, step, in_memory, bad, directory.latest)
-        if chosen is None or chosen in in_memory:
-            return [chosen, None]
-        data = directory.manifest_bytes(chosen)
-    return [chosen, data.decode("latin-1")]
+    # The pointer names a step that is gone: the listing says which is the newest.
+    return _with_manifest(
+        directory, _pick(directory, step, in_memory, bad, directory.latest), in_memory
+    )
+
+
+def _with_manifest(
+    directory: Directory, chosen: int | None, in_memory: Mapping[int, object]
+) -> list[Any]:
+    if chosen is None or chosen in in_memory:
+        return [chosen, None]
+    return [chosen, directory.manifest_bytes(chosen).decode("latin-1")]
 
 
 def _pick(

@@ -272,12 +272,8 @@ def _commit(ctx: SaveContext, info: Info, plan: WritePlan, gathered: list[Any]) 
         for key, (file, start, end) in where.items():
             chunk = plan.chunk_of[rank, key]
             chunk.file, chunk.start, chunk.end = file, start, end
-            if (late := sums.get(key)) is not None:  # hashed while it was written
-                chunk.xxh3, chunk.pieces, chunk.piece_bytes = (
-                    late["xxh3"],
-                    late["pieces"],
-                    late["piece_bytes"],
-                )
+            for name, value in sums.get(key, {}).items():  # hashed while it was written
+                setattr(chunk, name, value)  # `format.Checksums`' fields are `Chunk`'s
         if rank_tree not in trees:
             trees.append(rank_tree)
         rank_objects.append(trees.index(rank_tree))
