@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken import abort
+from unbroken.bulk import building
 from unbroken.errors import CheckpointError, PeerLostError
 
 T = TypeVar("T")
@@ -96,7 +97,10 @@ class Comm:
         out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
         with self.wire(), lent(mine, *out):
             dist.all_gather(out, mine, group=self.group)
-        return [json.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
+        with building():  # a save's rows: every rank's blocks
+            return [
+                json.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)
+            ]
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""

@@ -70,24 +70,25 @@ def make_plan(blocks_by_rank: list[list[Block]]) -> WritePlan:
     tensors: dict[str, TensorEntry] = {}
     holders: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
     first: dict[tuple[str, tuple[int, ...], str], Block] = {}
-    owner_of_key: dict[str, int] = {}
+    seen: dict[str, tuple[int, Block]] = {}  # each key's first holder and block
     for rank, blocks in enumerate(blocks_by_rank):
         for b in blocks:
             if b.key in aliases:
                 continue
-            entry = tensors.get(b.key)
-            if entry is None:
+            if (known := seen.get(b.key)) is None:
+                seen[b.key] = rank, b
                 tensors[b.key] = TensorEntry(dtype=b.dtype, shape=list(b.shape))
-                owner_of_key[b.key] = rank
-            elif (entry.dtype, tuple(entry.shape)) != (b.dtype, b.shape):
+            elif known[1].dtype != b.dtype or known[1].shape != b.shape:
                 raise CheckpointError(
-                    f"tensor {b.key!r} is {entry.dtype}{entry.shape} on rank "
-                    f"{owner_of_key[b.key]} but {b.dtype}{list(b.shape)} on rank {rank}; "
+                    f"tensor {b.key!r} is {known[1].dtype}{list(known[1].shape)} on rank "
+                    f"{known[0]} but {b.dtype}{list(b.shape)} on rank {rank}; "
                     "every rank must save the same dtype and global shape under one key"
                 )
             ident = (b.key, b.offsets, b.xxh3)
-            holders.setdefault(ident, []).append(rank)
-            first.setdefault(ident, b)
+            if (ranks := holders.get(ident)) is None:
+                holders[ident], first[ident] = [rank], b
+            else:
+                ranks.append(rank)
 
     values_per_region: dict[tuple[str, tuple[int, ...]], int] = {}
     for key, offsets, _ in holders:
@@ -99,7 +100,7 @@ def make_plan(blocks_by_rank: list[list[Block]]) -> WritePlan:
     # Largest first onto the least-loaded holder: a greedy balance within ~1 block of ideal.
     for ident in sorted(holders, key=lambda i: (-first[i].nbytes, i)):
         b, ranks = first[ident], holders[ident]
-        writer = min(ranks, key=lambda r: (load[r], r))
+        writer = ranks[0] if len(ranks) == 1 else min(ranks, key=lambda r: (load[r], r))
         load[writer] += b.nbytes
         chunk = Chunk(
             offsets=list(b.offsets),

@@ -23,6 +23,7 @@ import torch
 
 from unbroken import claims
 from unbroken.blockio import run_all
+from unbroken.bulk import building
 from unbroken.collector import INFO, Collector
 from unbroken.describing import Sums, checksums, layout, shared, with_checksums
 from unbroken.directory import Directory
@@ -147,10 +148,12 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
             f"ranks disagree on the step to save: {dict(enumerate(steps))}; "
             "every rank must call save() with the same step"
         )
-    by_rank = [[Block.from_json(b) for b in row[2]] for row in rows]
-    early = shared(by_rank[comm.rank], by_rank)
+    with building():  # every rank's blocks: tens of thousands at scale
+        by_rank = [[Block.from_json(b) for b in row[2]] for row in rows]
+        early = shared(by_rank[comm.rank], by_rank)
     sums = comm.gathered(what, lambda: explained(ctx, what, lambda: _hash(ctx, staged, early)))
-    plan = make_plan(by_rank := with_checksums(by_rank, sums))
+    with building():
+        plan = make_plan(by_rank := with_checksums(by_rank, sums))
     writing.append(True)
     guard(ctx.replicated, comm.rank, ctx.directory.storage, step, by_rank)
     info = Info(step, time.time(), staged.metric)

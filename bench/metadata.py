@@ -1,0 +1,260 @@
+# mypy: disallow-untyped-defs
+"""Metadata at scale: the CPU time one rank spends on the plan and the manifest of a save,
+and on the manifest of a restore, for a job of R ranks x T tensors each sharded over every
+rank (FSDP), against DCP's for the same layout and against the bare JSON work, in one run.
+
+    python bench/metadata.py                        # 8, 64 and 256 ranks x 1,000 tensors
+    python bench/metadata.py --ranks 8 --tensors 100 --repeats 1     # smoke, seconds
+
+No IO and no collectives: the work done between them, in this process (which has torch
+loaded, as a training process has). The busiest rank, rank 0, in each case:
+
+- save, unbroken: the gathered rows of every rank's blocks decoded, the blocks shared by
+  several ranks found, the write plan made (every rank does this much), then each block's
+  place set and the manifest encoded (rank 0), as `unbroken.saving` does;
+- save, DCP: its coordinator's work: every rank's local plan unpickled,
+  ``DefaultSavePlanner.create_global_plan``, the storage info FileSystemWriter records
+  per chunk, and the metadata pickled;
+- restore, unbroken: the manifest parsed and validated (every rank); DCP: its
+  ``.metadata`` unpickled (every rank);
+- unbroken with the garbage collector running during all of this (`unbroken.bulk` pauses
+  it), to show what the pause is worth;
+- limit: json.loads of the same bytes (the rows; the manifest) and, for the save,
+  json.dumps of the same manifest, with the collector paused: the part of the work no
+  implementation of this format avoids.
+
+Times are the best of the repeats (median beside), each after a full collection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import pickle
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from common import new_table, print_result, show
+from limits import check_limits
+from unbroken import bulk, format
+from unbroken.describing import shared
+from unbroken.format import Manifest
+from unbroken.plan import Block, make_plan
+
+ROWS, COLS = 16, 4096  # one rank's shard of every tensor: 16 x 4096 bf16 (128 KiB)
+SHARD = ROWS * COLS * 2
+
+
+def rows_of(ranks: int, tensors: int) -> list[bytes]:
+    """Each rank's row of blocks as `unbroken.dist.Comm.all_gather` carries it."""
+    return [
+        json.dumps(
+            [
+                Block(
+                    key=f"layers.{t}.weight",
+                    dtype="BF16",
+                    shape=(ranks * ROWS, COLS),
+                    offsets=(r * ROWS, 0),
+                    local_shape=(ROWS, COLS),
+                    nbytes=SHARD,
+                    xxh3=f"{r * tensors + t:016x}",
+                ).to_json()
+                for t in range(tensors)
+            ]
+        ).encode()
+        for r in range(ranks)
+    ]
+
+
+def unbroken_save(wire: list[bytes], pause: Callable[[], Any]) -> bytes:
+    """What `unbroken.saving` does between its collectives, on rank 0."""
+    with pause():
+        rows = [json.loads(w) for w in wire]
+    with pause():
+        by_rank = [[Block.from_json(b) for b in row] for row in rows]
+        shared(by_rank[0], by_rank)
+    with pause():
+        plan = make_plan(by_rank)
+    files = {}
+    for rank, keys in enumerate(plan.writes):  # where each block went, as `_commit` sets it
+        name, at = f"r{rank:05d}-000.safetensors", 4096
+        for key in keys:
+            chunk = plan.chunk_of[rank, key]
+            chunk.file, chunk.start, chunk.end = name, at, at + SHARD
+            at += SHARD
+        files[name] = at
+    world = len(wire)
+    manifest = Manifest(step=1, world_size=world, created=0.0, tensors=plan.tensors,
+                        objects=[{}], rank_objects=[0] * world, files=files)  # fmt: skip
+    return manifest.to_json()
+
+
+def dcp_plans(ranks: int, tensors: int) -> list[bytes]:
+    """Each rank's local save plan, pickled as gather_object carries it."""
+    props = TensorProperties(dtype=torch.bfloat16)
+    return [
+        pickle.dumps(
+            SavePlan(
+                [
+                    WriteItem(
+                        index=MetadataIndex(f"layers.{t}.weight", torch.Size([r * ROWS, 0])),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(
+                                offsets=torch.Size([r * ROWS, 0]), sizes=torch.Size([ROWS, COLS])
+                            ),
+                            properties=props,
+                            size=torch.Size([ranks * ROWS, COLS]),
+                        ),
+                    )
+                    for t in range(tensors)
+                ],
+                # the flattened state dict's paths, as DefaultSavePlanner records them
+                planner_data={
+                    f"layers.{t}.weight": ("layers", f"{t}.weight") for t in range(tensors)
+                },
+            )
+        )
+        for r in range(ranks)
+    ]
+
+
+def dcp_save(plans: list[bytes]) -> bytes:
+    """DCP's coordinator: the global plan and the metadata FileSystemWriter writes."""
+    local = [pickle.loads(p) for p in plans]
+    global_plans, metadata = DefaultSavePlanner().create_global_plan(local)
+    storage = {}
+    for rank, plan in enumerate(global_plans):
+        for i, item in enumerate(plan.items):
+            storage[item.index] = _StorageInfo(f"__{rank}_0.distcp", i * SHARD, SHARD)
+    metadata.storage_data = storage
+    return pickle.dumps(metadata)
+
+
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+@contextlib.contextmanager
+def collector_paused() -> Any:  # the limit's JSON work, with no collections at all
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def measure(ranks: int, tensors: int, repeats: int) -> dict[str, list[float]]:
+    wire, plans = rows_of(ranks, tensors), dcp_plans(ranks, tensors)
+    manifest = unbroken_save(wire, bulk.building)
+    metadata = dcp_save(plans)
+    body = json.loads(manifest)
+    Manifest.from_json(manifest, "bench")  # it parses: the bench measures a valid manifest
+
+    def limit_save() -> None:
+        with collector_paused():
+            [json.loads(w) for w in wire]
+            json.dumps(body, separators=(",", ":"))
+
+    def limit_restore() -> None:
+        with collector_paused():
+            json.loads(manifest)
+
+    def unpaused(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            format.building = contextlib.nullcontext  # type: ignore[assignment]
+            try:
+                return fn()
+            finally:
+                format.building = bulk.building
+
+        return run
+
+    ops: dict[str, Callable[[], object]] = {
+        "save limit": limit_save,
+        "save unbroken": lambda: unbroken_save(wire, bulk.building),
+        "save unbroken, collector running": unpaused(
+            lambda: unbroken_save(wire, contextlib.nullcontext)
+        ),
+        "save DCP": lambda: dcp_save(plans),
+        "restore limit": limit_restore,
+        "restore unbroken": lambda: Manifest.from_json(manifest, "bench"),
+        "restore unbroken, collector running": unpaused(
+            lambda: Manifest.from_json(manifest, "bench")
+        ),
+        "restore DCP": lambda: pickle.loads(metadata),
+    }
+    out = {name: timed(fn, repeats) for name, fn in ops.items()}
+    out["bytes"] = [len(manifest), len(metadata)]
+    return out
+
+
+def report(runs: dict[int, dict[str, list[float]]], tensors: int) -> dict[str, Any]:
+    table = new_table(
+        f"Metadata: R ranks x {tensors} tensors sharded over every rank, rank 0's CPU time",
+        "seconds: best of repeats (median beside); 'of limit': the limit's time / the method's; "
+        "'vs DCP': DCP's time / the method's; manifest / DCP metadata sizes in the op column",
+        [(c, "right" if c in ("ranks", "blocks", "s", "median", "of limit", "vs DCP") else "left")
+         for c in ("ranks", "blocks", "op", "method", "s", "median", "of limit", "vs DCP")],
+    )  # fmt: skip
+    result: dict[str, Any] = {"statistic": "best of repeats", "tensors": tensors, "runs": {}}
+    fractions: dict[str, float] = {}
+    for ranks, samples in runs.items():
+        best = {k: min(v) for k, v in samples.items() if k != "bytes"}
+        manifest, metadata = samples["bytes"]
+        for op in ("save", "restore"):
+            for method in ("limit", "unbroken", "unbroken, collector running", "DCP"):
+                name = f"{op} {method}"
+                # DCP's metadata is other bytes (a pickle): the JSON limit is not its limit
+                of_limit: float | None = best[f"{op} limit"] / best[name]
+                if method == "DCP":
+                    of_limit = None
+                if of_limit is not None and method != "limit":
+                    fractions[f"{ranks} ranks {name}"] = of_limit
+                where = f"{op} ({manifest / 2**20:.1f} / {metadata / 2**20:.1f} MiB)"
+                table.add_row(
+                    str(ranks), f"{ranks * tensors:,}", where if method == "limit" else "",
+                    method, f"{best[name]:.3f}", f"{statistics.median(samples[name]):.3f}",
+                    "" if of_limit is None else f"{of_limit:.0%}",
+                    f"{best[f'{op} DCP'] / best[name]:.2f}x",
+                )  # fmt: skip
+        result["runs"][str(ranks)] = {"seconds": best, "samples": samples}
+    show(150, table)
+    result["fraction_of_limit"] = fractions
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--tensors", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    runs = {r: measure(r, args.tensors, args.repeats) for r in args.ranks}
+    result = report(runs, args.tensors)
+    print_result(result)
+    check_limits(result["fraction_of_limit"], "bench/metadata.py")
+
+
+if __name__ == "__main__":
+    main()
