@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from unbroken.bulk import building
 from unbroken.dcp._layout import DcpCheckpoint, Where, locate, open_checkpoint
 from unbroken.dcp._metadata import from_json
 from unbroken.directory import Directory
@@ -70,8 +71,9 @@ class Reader(StorageReader):
         item to its stored chunk."""
         ckpt = open_checkpoint(self.directory, self.step)
         where = f"{self.path}/{ckpt.folder}/{MANIFEST}"
-        metadata = from_json(ckpt.metadata, where)
-        metadata.storage_data = locate(ckpt, metadata, where)
+        with building():  # an object per stored chunk: hundreds of thousands at scale
+            metadata = from_json(ckpt.metadata, where)
+            metadata.storage_data = locate(ckpt, metadata, where)
         self._checkpoint = ckpt
         return metadata
 

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from unbroken.bulk import building
 from unbroken.dcp._layout import (
     Stored,
     block_name,
@@ -136,8 +137,9 @@ class Writer(StorageWriter):
             metadata.version = CURRENT_DCP_VERSION
         if metadata.storage_meta is None:
             metadata.storage_meta = self.storage_meta()
-        meta = to_json(metadata)
-        stored = [r.storage_data for rank in results for r in rank]
+        with building():
+            meta = to_json(metadata)
+            stored = [r.storage_data for rank in results for r in rank]
         commit(self.directory, self.step, max(1, len(results)), stored, meta,
                meta["planner_data"])  # fmt: skip
 
