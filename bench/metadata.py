@@ -35,7 +35,7 @@ import json
 import pickle
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -156,7 +156,7 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
 
 
 @contextlib.contextmanager
-def collector_paused() -> Any:  # the limit's JSON work, with no collections at all
+def collector_paused() -> Iterator[None]:  # the limit's JSON work: no collections at all
     gc.disable()
     try:
         yield
