@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from unbroken.blockio import byte_view, read_into, verify_chunk
+from unbroken.blockio import byte_view, read_into, run_all, verify_chunk
 from unbroken.coalesce import Extent, fetch, fetch_held
 from unbroken.errors import CheckpointError
 from unbroken.format import Chunk, TensorEntry, safetensors_header, shard_file, verify_block
@@ -85,12 +84,16 @@ def write_blocks(
         storage.write(f"{folder}/{name}", [header, *(byte_view(t) for _, t in content)])
         return name, where, pos
 
+    written: dict[int, tuple[str, dict[str, tuple[str, int, int]], int]] = {}
+    # On the process's IO workers (one file, the common case: on this thread), not on a
+    # pool started for every save.
+    run_all(lambda i: written.update({i: write_one(i)}), range(len(files)), threads)
     locations: dict[str, tuple[str, int, int]] = {}
     sizes: dict[str, int] = {}
-    with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
-        for name, where, size in pool.map(write_one, range(len(files))):
-            locations.update(where)
-            sizes[name] = size
+    for index in range(len(files)):
+        name, where, size = written[index]
+        locations.update(where)
+        sizes[name] = size
     return locations, sizes
 
 
