@@ -19,9 +19,10 @@ group, the same DTensors on a 1-D mesh of their number), each method restores in
 - limit: each rank reads exactly the byte ranges of the unbroken checkpoint its shards
   need (adjacent ranges merged, no checksums, no format), into a preallocated buffer:
   from disk by as many threads as unbroken's ``io_threads``, with ``os.preadv`` in 16 MiB
-  calls; from S3 by parallel ranged GETs of 16 MiB with unbroken's client and request
-  concurrency. unbroken reads the same bytes and more (whole 1 MiB checksum pieces), so
-  the limit bounds it from above.
+  calls; from S3 by parallel ranged GETs with unbroken's client and request concurrency,
+  cut as unbroken's planner cuts them (`unbroken.coalesce`: its request size and grid).
+  unbroken reads the same bytes and more (whole 1 MiB checksum pieces), so the limit
+  bounds it from above.
 
 Every local read is cold: the page cache of every file under the work directory is
 dropped with ``posix_fadvise(DONTNEED)`` before it (residency checked with ``mincore``).
@@ -70,6 +71,7 @@ from limits import STREAMS, check_limits
 from reshard_report import report
 from s3_clients import Server, boto3_client, remove_bucket
 from s3_servers import start_moto, start_rgw
+from unbroken.coalesce import Extent, plan, rules_for
 from unbroken.format import Manifest
 from unbroken.shards import overlap
 from unbroken.storage.s3 import S3Options, S3Storage
@@ -205,6 +207,18 @@ def pieces(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int, int]
     return out
 
 
+def requests(ranges: list[tuple[str, int, int]], storage: Any) -> list[tuple[str, int, int, int]]:
+    """`pieces`, but cut into the ranged GETs unbroken's planner makes on ``storage``."""
+    extents = [Extent(f"range {i}", *r) for i, r in enumerate(ranges)]
+    total = sum(end - start for _, start, end in ranges)
+    cut = plan(extents, rules_for(storage, total, S3Options().concurrency))
+    out, at = [], 0
+    for r in cut:
+        out.append((r.file, r.start, r.end - r.start, at))
+        at += r.end - r.start
+    return out
+
+
 class RestoreRank:
     """One rank of the restoring world: its empty shards and one method per way to fill them."""
 
@@ -223,8 +237,12 @@ class RestoreRank:
             self.store = S3Storage(
                 cfg.server.uri("reshard"), S3Options(**cfg.server.options())
             ).store
-        self.reads = pieces(needed(self.local.manifest(1), rank, world))
-        self.scratch = torch.empty(sum(p[2] for p in self.reads), dtype=torch.uint8)
+        self.ranges = needed(self.local.manifest(1), rank, world)
+        self.reads = pieces(self.ranges)
+        # S3 requests may span the small gaps between ranges, as unbroken's do
+        spans = [] if self.s3 is None else requests(self.ranges, self.s3.storage)
+        need = max(sum(n for _, _, n, _ in reads) for reads in (self.reads, spans))
+        self.scratch = torch.empty(need, dtype=torch.uint8)
         self.folder = "step-000000001"
         # the limits' threads, started once, as unbroken's IO workers are: a limit never
         # pays a thread start that unbroken does not
@@ -275,8 +293,11 @@ class RestoreRank:
                 self.store, f"{self.folder}/{file}", start=offset, length=n
             )
 
+        assert self.s3 is not None  # in unbroken's request size now, which it measures
+        todo = requests(self.ranges, self.s3.storage)
+
         def read() -> None:
-            list(self.s3_pool.map(one, self.reads))
+            list(self.s3_pool.map(one, todo))
 
         self.record("s3 limit", timed(read))
 

@@ -170,9 +170,10 @@ def test_restore_coalesces_reads_across_tensors_and_counts_requests(bucket):
     reader = Checkpointer(uri, storage_options=options)
     assert reader.restore(fresh) == 1
     assert all(torch.equal(fresh[k], state[k]) for k in state)
-    # 50 MiB in pieces of 8 MiB or the part size, whichever is less, across tensor
-    # boundaries: 7 to 10 ranged GETs (plus the manifest's), not one per tensor
-    assert reader.storage.requests["GET"] <= 10 + 3, reader.storage.requests  # type: ignore[attr-defined]
+    # 50 MiB in pieces of 8 MiB or the part size, whichever is less, on a grid of that
+    # size across tensor boundaries: 7 to 11 ranged GETs (the last holds the bytes past
+    # the grid's last line that the header pushed there), plus the manifest's; not 40
+    assert reader.storage.requests["GET"] <= 11 + 3, reader.storage.requests  # type: ignore[attr-defined]
     # One HEAD: the shard file's size. The pointed step's manifest is read without one.
     assert reader.storage.requests["HEAD"] == 1, reader.storage.requests  # type: ignore[attr-defined]
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.coalesce import Extent, Rules, fetch, plan
+from unbroken.coalesce import SLIVER, Extent, Rules, fetch, plan
 from unbroken.errors import CheckpointError
 from unbroken.storage import Storage, open_storage
 
@@ -115,7 +115,8 @@ def test_read_plan_covers_every_byte_once_within_its_rules(raw, rules):
     """Every byte of every extent is in exactly one request, at its place; requests read
     no byte outside their parts but gaps within the limit, merge only small extents
     (when ``small`` is set) and span at most ``most`` bytes unless one extent alone does
-    (``split=False``)."""
+    (``split=False``); split requests cross a multiple of ``most`` only within
+    ``most / SLIVER`` of their ends."""
     extents = [Extent(f"k{i}", f, s, s + n) for i, (f, s, n) in enumerate(raw)]
     seen = [[0] * (e.end - e.start) for e in extents]
     for r in plan(extents, rules):
@@ -131,8 +132,12 @@ def test_read_plan_covers_every_byte_once_within_its_rules(raw, rules):
         members = {i for i, _, _ in r.parts}
         if len(members) > 1 and rules.small is not None:
             assert all(extents[i].end - extents[i].start < rules.small for i in members)
-        if len(members) > 1 or rules.split:
+        if len(members) > 1 and not rules.split:
             assert r.end - r.start <= rules.most
+        if rules.split:
+            sliver = rules.most // SLIVER
+            for line in range(r.start // rules.most * rules.most + rules.most, r.end, rules.most):
+                assert line - r.start < sliver or r.end - line < sliver, (r.start, r.end)
     assert all(count == 1 for counts in seen for count in counts)
 
 

@@ -8,10 +8,15 @@ a rank's reads all go to one set of workers, as deep as the storage serves reque
 once, so every connection stays busy to the end. The `Rules` say how far to merge:
 
 - on an object store (`rules_for`: a storage with many requests in flight and a part
-  size), runs cross tensor boundaries and are cut into equal requests of at most the part
-  size, and smaller when the whole read would not otherwise give every connection one,
-  but never smaller than the storage measured a request must be to be worth its round
-  trip (`unbroken.storage.pacing`; `MIN_PIECE` until it has measured);
+  size), runs cross tensor boundaries and are cut into requests of at most the part
+  size, and smaller when the whole read would not otherwise give every connection
+  `WAVES` of them (the connections that finish first take the rest, so none idles
+  while a slow one ends the read), but never smaller than the storage measured a
+  request must be to be worth its round trip (`unbroken.storage.pacing`; `MIN_PIECE`
+  until it has measured). The cuts fall on a grid of the request size in the file's
+  offsets, not where a run happens to start: a request then stays within the
+  server's own pieces of the object (Ceph RGW stores it in 4 MiB RADOS objects)
+  instead of straddling two;
 - elsewhere (local files), only runs of small ranges are merged: a large block is read
   alone, straight into its destination, which a file system serves as fast.
 
@@ -21,6 +26,8 @@ that read that byte, so checksums overlap the reads still in flight.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -35,6 +42,8 @@ GAP_BYTES = 256 << 10  # object stores: bytes between two ranges read and droppe
 # request spends as long waiting as moving bytes.
 MIN_PIECE = 8 << 20
 FLOOR_PIECE = 1 << 20  # nor than this after: each request costs CPU at both ends
+WAVES = 2  # requests per connection, where the read is large enough to give them
+SLIVER = 8  # an end piece of a run under 1/SLIVER of a request joins its neighbour
 # Local files: ranges under SMALL_BYTES join their neighbours, up to GROUP_BYTES a request.
 SMALL_BYTES = 1 << 20
 GROUP_BYTES = 16 << 20
@@ -44,8 +53,8 @@ GROUP_BYTES = 16 << 20
 class Rules:
     """How far to merge: ranges at most ``gap`` bytes apart share a request; only ranges
     under ``small`` bytes join others (None: any); a request spans at most ``most`` bytes.
-    ``split``: runs (and ranges) are cut into requests of ``most`` bytes; otherwise a range
-    over ``most`` bytes is read whole, alone."""
+    ``split``: runs (and ranges) are cut at the file's multiples of ``most`` (`_bounds`);
+    otherwise a range over ``most`` bytes is read whole, alone."""
 
     gap: int
     small: int | None
@@ -91,12 +100,12 @@ def plan(extents: Sequence[Extent], rules: Rules) -> list[Request]:
     requests: list[Request] = []
     for run in runs:
         start, end = extents[run[0]].start, max(extents[i].end for i in run)
-        step = rules.most if rules.split else max(end - start, 1)
+        bounds = _bounds(start, end, rules)
         file = extents[run[0]].file
-        cuts = [Request(file, s, min(s + step, end)) for s in range(start, end, step)]
+        cuts = [Request(file, a, b) for a, b in itertools.pairwise(bounds)]
         for i in run:
             e = extents[i]
-            for cut in cuts[(e.start - start) // step :]:
+            for cut in cuts[bisect.bisect_right(bounds, e.start) - 1 :]:
                 if cut.start >= e.end:
                     break
                 lo, hi = max(cut.start, e.start), min(cut.end, e.end)
@@ -107,6 +116,22 @@ def plan(extents: Sequence[Extent], rules: Rules) -> list[Request]:
                 cut.end = max(extents[i].start + hi for i, _, hi in cut.parts)
                 requests.append(cut)
     return requests
+
+
+def _bounds(start: int, end: int, rules: Rules) -> list[int]:
+    """Where a run of bytes [start, end) is cut: split, at the file's multiples of
+    ``most``, but an end piece under 1/`SLIVER` of that joins its neighbour instead of
+    costing a request of its own (the bytes a shard file's header pushes past the last
+    line); otherwise nowhere."""
+    if not rules.split:
+        return [start, end]
+    step = rules.most
+    inner = list(range(start // step * step + step, end, step))
+    if inner and inner[0] - start < step // SLIVER:
+        inner.pop(0)
+    if inner and end - inner[-1] < step // SLIVER:
+        inner.pop()
+    return [start, *inner, end]
 
 
 def _joins(extents: Sequence[Extent], run: list[int], e: Extent, rules: Rules) -> bool:
@@ -126,8 +151,11 @@ def rules_for(storage: Storage, total: int, threads: int) -> Rules:
     if storage.requests_in_flight > 1 and part_size:
         measured = getattr(storage, "smallest_request", None)
         smallest = MIN_PIECE if measured is None else max(FLOOR_PIECE, measured)
-        # one request for 16 MiB would leave 15 connections idle
-        piece = min(part_size, max(smallest, -(-total // max(1, in_flight))))
+        # WAVES requests per connection (one request for 16 MiB would leave 15 idle),
+        # in powers of two, so that the grid of requests meets the server's (see above)
+        least = 1 << (smallest - 1).bit_length()
+        even = max(1, total // (WAVES * max(1, in_flight)))
+        piece = min(part_size, max(least, 1 << (even.bit_length() - 1)))
         return Rules(gap=GAP_BYTES, small=None, most=piece, split=True)
     return Rules(gap=0, small=SMALL_BYTES, most=GROUP_BYTES, split=False)
 

@@ -7,7 +7,7 @@ at least `SHARE` of that moving bytes once ``s >= SHARE / (1 - SHARE) * L * B``.
 `Pacing` measures ``L`` from small requests (a HEAD, a manifest's GET) and ``L + s / B``
 from large ones, and gives that size: the median over recent large requests. The reader
 that asks (`unbroken.coalesce.rules_for`) still bounds it by the part size, and cuts
-smaller requests only where there would not otherwise be one for every connection.
+smaller requests only where there would not otherwise be two for every connection.
 """
 
 from __future__ import annotations
