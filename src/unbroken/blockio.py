@@ -144,6 +144,11 @@ def _reset() -> None:  # a forked child has none of its parent's threads
 os.register_at_fork(after_in_child=_reset)
 
 
+def start(fn: Callable[[], T]) -> Future[T]:
+    """Run ``fn`` on an IO worker now: a request that need not hold up the caller."""
+    return _workers.submit(fn)
+
+
 def run_all(fn: Callable[[Item], object], items: Sequence[Item], threads: int) -> None:
     """Call ``fn`` on every item, ``threads`` at a time (on the process's IO workers);
     return once every call has returned, raising the first error (no new calls start

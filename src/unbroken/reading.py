@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from unbroken import replicas
+from unbroken.blockio import start
 from unbroken.choosing import Choice
 from unbroken.dist import Comm
 from unbroken.format import Chunk, Manifest, TensorEntry, checksum, verify_block
@@ -84,14 +85,19 @@ def memory(region: torch.Tensor) -> tuple[Any, ...]:
 
 def read(
     comm: Comm, memory_tier: MemoryTier | None, choice: Choice, manifest: Manifest,
-    fills: Sequence[Fill], threads: int,
+    files: set[str], fills: Sequence[Fill], threads: int,
 ) -> Callable[[], None] | None:  # fmt: skip
     """Read ``fills`` from the chosen source while serving the replicas this rank
-    provides; returns what places the bytes the source held (see `Source.read`)."""
+    provides and checking that ``files`` (all this rank's targets need) are whole;
+    returns what places the bytes the source held (see `Source.read`)."""
     sending = comm.start([])
     if choice.serves and memory_tier is not None:
         sending = replicas.send(comm, memory_tier, choice.step, choice.serves)
-    place = choice.source.read(manifest, fills, threads)
+    checking = start(lambda: choice.source.check(manifest, files))
+    try:
+        place = choice.source.read(manifest, fills, threads)
+    finally:
+        checking.result()  # a missing or short file is named as such, not as a failed read
     sending.wait()
     return place
 

@@ -1,10 +1,11 @@
 """The restore pipeline, in named stages: choose the step and this rank's source of it
 (`unbroken.choosing`), check, read, share, apply.
 
-Keys, shapes, files and sizes are all checked on every rank before any byte of the state
-changes, so bad input costs nothing. A checksum failure found while reading puts back
-what was overwritten (a host copy taken before reading), then falls back to the next
-newest copy that verifies, or raises.
+Keys and shapes are checked on every rank before anything is read, and the files' sizes
+beside the reads (one round trip fewer on an object store), so bad input costs nothing:
+a failure of either puts back what a read overwrote (a host copy taken before reading,
+or none where the source holds what it read until every rank has checked its part), then
+falls back to the next newest copy that verifies, or raises.
 """
 
 from __future__ import annotations
@@ -73,10 +74,12 @@ def restore(
                     "`unbroken verify --all` lists what is damaged"
                 )
             return None
+        marked = choice.from_storage and ctx.comm.rank == 0
+        restored_step = sdc.restoring(ctx.directory.storage, choice.step) if marked else None
         try:
             restored = _load(ctx, state, choice, strict)
-            if choice.from_storage and ctx.comm.rank == 0:
-                sdc.restored(ctx.directory.storage, choice.step)
+            if restored_step is not None:
+                restored_step()
             damaged = tuple(Origin(kind, s) for kind, s in sorted(rejected))  # type: ignore[arg-type]
             return replace(restored, damaged=damaged)
         except Exception as e:  # on every rank: each stage fails everywhere or nowhere
@@ -120,9 +123,12 @@ def _load(
             for t in targets
             if t.dest is not None and t.region is not None and reading.memory(t.region) not in held
         )
+        files = {c.file for t in targets for c in t.chunks}
         place = comm.together(
             f"reading step {choice.step}",
-            lambda: reading.read(comm, ctx.memory, choice, manifest, reads.fills, ctx.io_threads),
+            lambda: reading.read(
+                comm, ctx.memory, choice, manifest, files, reads.fills, ctx.io_threads
+            ),
         )
         if readers:
             reading.share(comm, choice, manifest, readers, reads)
@@ -147,7 +153,7 @@ def _load(
 def _check(
     comm: Comm, choice: Choice, state: Mapping[str, Any], strict: bool
 ) -> tuple[Manifest, dict[str, Any], list[Target]]:
-    """Check everything a restore will touch, and list what it reads."""
+    """Check the keys and shapes a restore will touch, and list what it reads."""
     source = choice.source
     manifest = source.open()
     # Saved by another number of ranks: tensors are resharded by region, per-rank state
@@ -156,9 +162,7 @@ def _check(
     live = {name: value for name, value in state.items() if name not in kept}
     current, _ = capture(live)
     tree = _select(source.where, saved, live, current, strict)
-    targets = _targets(source.where, manifest, tree, current, comm.rank)
-    source.check(manifest, {c.file for t in targets for c in t.chunks})
-    return manifest, tree, targets
+    return manifest, tree, _targets(source.where, manifest, tree, current, comm.rank)
 
 
 def _select(

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from unbroken.blockio import start
 from unbroken.errors import CheckpointError
 from unbroken.format import step_dir
 from unbroken.plan import Block
@@ -149,17 +151,28 @@ def report(storage: object, step: int) -> str | None:
     return f"step {step}: data-parallel replicas differed when saved: {where}{more}"
 
 
-def restored(storage: object, step: int) -> None:
-    """A restore loaded ``step`` from ``storage``: if it was saved as suspect, say so
-    (warning and event); the restore stands, as the save did."""
+def restoring(storage: object, step: int) -> Callable[[], None]:
+    """A restore of ``step`` from ``storage`` begins: its suspect mark is read now, beside
+    the restore's own reads (one round trip off the restore's path). Call what this
+    returns once the restore stood: if the step was saved as suspect, it says so (warning
+    and event); the restore stands, as the save did."""
+    marked = start(lambda: _mark(storage, step))
+
+    def restored() -> None:
+        line = marked.result()
+        if line is not None:
+            log.warning(
+                "restore: %s; restored anyway. Unless the difference is expected, restore an "
+                "earlier step (`unbroken ls`, `restore(state, step=N)`)",
+                line,
+            )
+            event("suspect_restored", step=step, report=line[:500])
+
+    return restored
+
+
+def _mark(storage: object, step: int) -> str | None:
     try:
-        line = report(storage, step)
+        return report(storage, step)
     except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged or forged mark
-        line = f"step {step}: its {SUSPECT} is unreadable ({e})"
-    if line is not None:
-        log.warning(
-            "restore: %s; restored anyway. Unless the difference is expected, restore an "
-            "earlier step (`unbroken ls`, `restore(state, step=N)`)",
-            line,
-        )
-        event("suspect_restored", step=step, report=line[:500])
+        return f"step {step}: its {SUSPECT} is unreadable ({e})"
