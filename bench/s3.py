@@ -14,9 +14,10 @@ existing one (``--endpoint``). Each rank is a real process in a gloo group and h
 different shard (per-rank keys and data, as in bench/save_load.py), so every method moves
 ranks x MiB. Throughput is aggregate: the bytes of all ranks / wall time of the slowest rank,
 clocks started after a barrier. Methods are interleaved (order rotates each repeat), and
-unbroken runs beside the raw limit op by op (PUT, save; GET, restore; who goes first
-alternating), after an untimed warm-up round; objects are deleted after each method (the
-OSD keeps everything in RAM). Best and median of the repeats are reported, and fractions
+unbroken runs right beside the raw limit (raw PUT and GET, then unbroken's save and
+restore, who goes first alternating), after an untimed warm-up round; objects are deleted,
+and RGW's garbage collected, after each method, so every method writes to an empty server
+(the OSD keeps everything in RAM). Best and median of the repeats are reported, and fractions
 of the limit are the median of each repeat's ratio. Every restore is compared with the
 saved bytes; a mismatch aborts.
 

@@ -152,26 +152,34 @@ class S3Rank:
     # -- methods ---------------------------------------------------------------------
 
     def raw_and_unbroken(self, rep: int) -> None:
-        """The raw limit and unbroken back to back, op by op (PUT beside save, GET beside
-        restore), who goes first alternating: each of unbroken's samples has a raw one
-        taken under the same conditions, which the report divides it by."""
+        """The raw limit and unbroken back to back, who goes first alternating, each
+        writing and then reading its bytes on a server emptied (and garbage-collected)
+        before it: each of unbroken's samples has a raw one taken under the same
+        conditions, which the report divides it by. (Paired op by op instead, PUT beside
+        save, whichever wrote second met a server still holding the other's bytes, and
+        wrote slower, whichever it was.)"""
         step = 1000 + rep
         raw_put, raw_get = self.raw_ops()
-        pairs = [(raw_put, lambda: self.unbroken_save(step)), (raw_get, self.unbroken_restore)]
-        for raw, ours in pairs:
-            for run in (ours, raw) if rep % 2 else (raw, ours):
-                run()
+        raw = [raw_put, raw_get, self.small_gets, lambda: self.clear("raw/")]
+        ours = [
+            lambda: self.unbroken_save(step),
+            self.unbroken_restore,
+            lambda: self.clear("unbroken/"),
+        ]
+        for op in ours + raw if rep % 2 else raw + ours:
+            op()
         if self.restored != [step]:
             raise AssertionError(f"unbroken restore returned step {self.restored}, saved {step}")
-        if self.rank == 0:  # the latency a small read pays (untimed, one at a time)
+
+    def small_gets(self) -> None:
+        """The latency a small read pays (rank 0, untimed, one at a time)."""
+        if self.rank == 0:
             import obstore
 
             for i in range(SMALL_GETS):
                 start = time.perf_counter()
                 obstore.get_range(self.raw_store, "rank0.0", start=i * SMALL, length=SMALL)
                 self.small_get_ms.append((time.perf_counter() - start) * 1000)
-        self.clear("raw/")
-        self.clear("unbroken/")
 
     def raw_ops(self) -> tuple[Callable[[], None], Callable[[], None]]:
         """The raw PUT and the raw GET of this rank's bytes, each timed and recorded."""

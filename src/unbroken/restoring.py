@@ -75,13 +75,9 @@ def restore(
                 )
             return None
         marked = choice.from_storage and ctx.comm.rank == 0
-        restored_step = sdc.restoring(ctx.directory.storage, choice.step) if marked else None
+        said = sdc.restoring(ctx.directory.storage, choice.step) if marked else None
         try:
             restored = _load(ctx, state, choice, strict)
-            if restored_step is not None:
-                restored_step()
-            damaged = tuple(Origin(kind, s) for kind, s in sorted(rejected))  # type: ignore[arg-type]
-            return replace(restored, damaged=damaged)
         except Exception as e:  # on every rank: each stage fails everywhere or nowhere
             if not _damaged(ctx.comm, e) or step is not None or not fallback:
                 raise
@@ -89,6 +85,11 @@ def restore(
             rejected.add((tier, choice.step))
             damage.append(f"step {choice.step} ({tier}): {e}")
             fell_back(choice.step, tier, f"step {choice.step} is damaged: {e}")
+            continue
+        if said is not None:
+            said()  # rank 0 alone, after the last collective: it never raises
+        damaged = tuple(Origin(kind, s) for kind, s in sorted(rejected))  # type: ignore[arg-type]
+        return replace(restored, damaged=damaged)
 
 
 def _damaged(comm: Comm, error: BaseException) -> bool:
