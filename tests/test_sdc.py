@@ -8,14 +8,16 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
 
 from ranks import run_ranks
+from unbroken.errors import CheckpointError
 from unbroken.format import step_dir
 from unbroken.plan import Block
-from unbroken.sdc import Replicated, suspect
+from unbroken.sdc import SUSPECT, Replicated, suspect
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -105,3 +107,34 @@ def test_the_rule_compares_only_declared_state_and_the_same_region():
         Replicated(("model",), action="ignore")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="top-level state names"):
         Replicated(())
+
+
+class _RefusingMarks:
+    """A storage whose server refuses every GET of a suspect mark."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def read(self, path: str) -> bytes:
+        if path.endswith(SUSPECT):
+            raise CheckpointError(f"GET {path}: 503 SlowDown, retried until the retry timeout")
+        return bytes(self.inner.read(path))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_suspect_mark_that_cannot_be_read_is_said_and_the_restore_stands(tmp_path, caplog):
+    """Rank 0 alone reads the mark, beside the restore: a storage error there is a
+    warning, never an error, which would fail on one rank a restore the others finished."""
+    from unbroken import Checkpointer
+
+    state = {"w": torch.arange(4.0)}
+    Checkpointer(str(tmp_path)).save(1, state)
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.storage = _RefusingMarks(ckpt.storage)
+    back = {"w": torch.zeros(4)}
+    with caplog.at_level("WARNING", logger="unbroken"):
+        assert ckpt.restore(back) == 1
+    assert torch.equal(back["w"], state["w"])
+    assert f"{SUSPECT} is unreadable" in caplog.text and "503 SlowDown" in caplog.text
