@@ -8,6 +8,7 @@ import contextlib
 import re
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,18 @@ def collect_garbage(server: Server) -> None:
     if server.ceph_conf is not None:
         command = ["radosgw-admin", "-c", server.ceph_conf, "gc", "process", "--include-all"]
         subprocess.run(command, check=True, capture_output=True, timeout=300)
+
+
+def small_get_ms(store: Any, key: str, size: int, count: int) -> list[float]:
+    """The time of ``count`` ranged GETs of ``size`` bytes of ``key``, one at a time, in ms."""
+    import obstore
+
+    times = []
+    for i in range(count):
+        start = time.perf_counter()
+        obstore.get_range(store, key, start=i * size, length=size)
+        times.append((time.perf_counter() - start) * 1000)
+    return times
 
 
 def remove_bucket(client: Any, bucket: str) -> None:

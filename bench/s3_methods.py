@@ -7,7 +7,6 @@ import io
 import logging
 import os
 import shutil
-import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +40,7 @@ from s3_clients import (
     collect_garbage,
     delete_prefix,
     reason_of,
+    small_get_ms,
 )
 from unbroken.coalesce import rules_for
 from unbroken.shards import FILE_BYTES
@@ -153,33 +153,22 @@ class S3Rank:
 
     def raw_and_unbroken(self, rep: int) -> None:
         """The raw limit and unbroken back to back, who goes first alternating, each
-        writing and then reading its bytes on a server emptied (and garbage-collected)
-        before it: each of unbroken's samples has a raw one taken under the same
-        conditions, which the report divides it by. (Paired op by op instead, PUT beside
-        save, whichever wrote second met a server still holding the other's bytes, and
-        wrote slower, whichever it was.)"""
+        writing then reading on a server emptied before it (paired op by op, whichever
+        wrote second met the other's bytes there and wrote slower): each of unbroken's
+        samples has a raw one taken alike, which the report divides it by."""
         step = 1000 + rep
         raw_put, raw_get = self.raw_ops()
         raw = [raw_put, raw_get, self.small_gets, lambda: self.clear("raw/")]
-        ours = [
-            lambda: self.unbroken_save(step),
-            self.unbroken_restore,
-            lambda: self.clear("unbroken/"),
-        ]
+        save, clear = (lambda: self.unbroken_save(step)), (lambda: self.clear("unbroken/"))
+        ours = [save, self.unbroken_restore, clear]
         for op in ours + raw if rep % 2 else raw + ours:
             op()
         if self.restored != [step]:
             raise AssertionError(f"unbroken restore returned step {self.restored}, saved {step}")
 
-    def small_gets(self) -> None:
-        """The latency a small read pays (rank 0, untimed, one at a time)."""
+    def small_gets(self) -> None:  # rank 0: the latency a small read pays (untimed)
         if self.rank == 0:
-            import obstore
-
-            for i in range(SMALL_GETS):
-                start = time.perf_counter()
-                obstore.get_range(self.raw_store, "rank0.0", start=i * SMALL, length=SMALL)
-                self.small_get_ms.append((time.perf_counter() - start) * 1000)
+            self.small_get_ms += small_get_ms(self.raw_store, "rank0.0", SMALL, SMALL_GETS)
 
     def raw_ops(self) -> tuple[Callable[[], None], Callable[[], None]]:
         """The raw PUT and the raw GET of this rank's bytes, each timed and recorded."""
