@@ -13,10 +13,10 @@ once, so every connection stays busy to the end. The `Rules` say how far to merg
   `WAVES` of them (the connections that finish first take the rest, so none idles
   while a slow one ends the read), but never smaller than the storage measured a
   request must be to be worth its round trip (`unbroken.storage.pacing`; `MIN_PIECE`
-  until it has measured). The cuts fall on a grid of the request size in the file's
-  offsets, not where a run happens to start: a request then stays within the
-  server's own pieces of the object (Ceph RGW stores it in 4 MiB RADOS objects)
-  instead of straddling two;
+  until it has measured). The cuts fall on a grid of the request size (a power of two)
+  in the file's offsets, not where a run happens to start: RGW, which keeps an object
+  in 4 MiB RADOS objects, served such GETs measurably faster than the same GETs shifted
+  by a shard file's header, or cut at the upload's part boundaries;
 - elsewhere (local files), only runs of small ranges are merged: a large block is read
   alone, straight into its destination, which a file system serves as fast.
 
