@@ -72,7 +72,10 @@ def write_blocks(
         files[-1].append((key, t))
         filled += t.nbytes
 
-    def write_one(index: int) -> tuple[str, dict[str, tuple[str, int, int]], int]:
+    locations: dict[str, tuple[str, int, int]] = {}
+    sizes: dict[str, int] = {}
+
+    def write_one(index: int) -> None:
         name = shard_file(rank, index)
         content = files[index]
         header = safetensors_header([(k, t.dtype, list(t.shape), t.nbytes) for k, t in content])
@@ -82,18 +85,12 @@ def write_blocks(
             pos += t.nbytes
         faults.point("data-write")
         storage.write(f"{folder}/{name}", [header, *(byte_view(t) for _, t in content)])
-        return name, where, pos
+        locations.update(where)  # files hold distinct keys
+        sizes[name] = pos
 
-    written: dict[int, tuple[str, dict[str, tuple[str, int, int]], int]] = {}
     # On the process's IO workers (one file, the common case: on this thread), not on a
     # pool started for every save.
-    run_all(lambda i: written.update({i: write_one(i)}), range(len(files)), threads)
-    locations: dict[str, tuple[str, int, int]] = {}
-    sizes: dict[str, int] = {}
-    for index in range(len(files)):
-        name, where, size = written[index]
-        locations.update(where)
-        sizes[name] = size
+    run_all(write_one, range(len(files)), threads)
     return locations, sizes
 
 

@@ -201,11 +201,11 @@ class S3Storage:
         return self.pacing.efficient_bytes()
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        """In ranged GETs of about ``part_size`` bytes (a read a few KB over it is one
-        GET, not two), in parallel, each copied into ``out`` from the buffer obstore
-        received it in."""
+        """In ranged GETs of the parts an upload of this size would have (`upload_parts`:
+        a read a few KB over the part size is one GET, not two), in parallel, each copied
+        into ``out`` from the buffer obstore received it in."""
         view = out.cast("B")
-        piece = max(1, -(-len(view) // max(1, round(len(view) / self.options.part_size))))
+        _, piece = upload_parts(len(view), self.options.part_size)
         pieces = [view[s : s + piece] for s in range(0, len(view), piece)]
         starts = range(offset, offset + len(view), piece)
         if len(pieces) == 1:
