@@ -168,3 +168,38 @@ def test_hung_rank_is_found_and_replaced_in_process_bitwise(tmp_path, reference)
     assert [e["rank"] for e in hung] == [0]
     # Detected once the heartbeat is 4 s old, not at the collective's 30 s timeout.
     assert rec["detected_t"] - rec["fault_t"] < timeout + 2
+
+
+@pytest.mark.timeout(60)
+def test_a_spare_still_importing_is_taken_after_a_ready_one_and_runs_its_rank(tmp_path):
+    """`Spares.take` prefers a ready spare, and takes one still importing torch over
+    starting a process (it is ahead of one); that spare runs its assignment once ready."""
+    from unbroken.run import contract, listen
+    from unbroken.run.spare import Spares
+
+    store = listen.store()
+    env = {**os.environ, "MASTER_ADDR": listen.LOOPBACK, "MASTER_PORT": str(store.port)}
+    spares = Spares(store, lambda: env)
+    spares.start()
+    procs = spares.processes()
+    try:
+        first = spares.idle[0][0]
+        deadline = time.monotonic() + 45
+        while not store.check([f"{first}/{contract.SPARE_READY}"]):
+            assert time.monotonic() < deadline, "the first spare never got ready"
+            time.sleep(0.05)
+        spares.start()
+        procs += spares.processes()[1:]
+        second = spares.idle[1][0]
+        assert [s[0] if s else None for s in (spares.take(), spares.take())] == [first, second]
+        assert not store.check([f"{second}/{contract.SPARE_READY}"]), "not ready when taken"
+        assert spares.take() is None and spares.owed == 2
+        script = tmp_path / "rank.py"
+        script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(os.environ['RANK'])\n")
+        spares.assign(second, {"RANK": "7"}, [str(script), str(tmp_path / "out")], False)
+        assert procs[1].wait(timeout=45) == 0
+        assert (tmp_path / "out").read_text() == "7"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

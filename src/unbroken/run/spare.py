@@ -43,12 +43,15 @@ class Spares:
         self.idle.append((key, proc))
 
     def take(self) -> SpareProcess | None:
-        """A spare that is ready, out of the pool; None if there is none."""
-        for i, (key, proc) in enumerate(self.idle):
-            if proc.poll() is None and self.store.check([f"{key}/{contract.SPARE_READY}"]):
-                self.owed += 1
-                return self.idle.pop(i)
-        return None
+        """A live spare out of the pool, a ready one first; None if none is alive. One
+        still importing is taken too: it picks up its assignment once ready, which is
+        never later than a process started now would be."""
+        live = [i for i, (_, proc) in enumerate(self.idle) if proc.poll() is None]
+        if not live:
+            return None
+        ready = [i for i in live if self.store.check([f"{self.idle[i][0]}/{contract.SPARE_READY}"])]
+        self.owed += 1
+        return self.idle.pop((ready or live)[0])
 
     def assign(self, key: str, env: dict[str, str], argv: list[str], module: bool) -> None:
         """Make spare ``key`` become a worker: its environment and script."""
