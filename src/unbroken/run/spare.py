@@ -46,12 +46,14 @@ class Spares:
         """A live spare out of the pool, a ready one first; None if none is alive. One
         still importing is taken too: it picks up its assignment once ready, which is
         never later than a process started now would be."""
-        live = [i for i, (_, proc) in enumerate(self.idle) if proc.poll() is None]
+        live = [(key, proc) for key, proc in self.idle if proc.poll() is None]
         if not live:
             return None
-        ready = [i for i in live if self.store.check([f"{self.idle[i][0]}/{contract.SPARE_READY}"])]
+        ready = [s for s in live if self.store.check([f"{s[0]}/{contract.SPARE_READY}"])]
+        spare = (ready or live)[0]
+        self.idle.remove(spare)
         self.owed += 1
-        return self.idle.pop((ready or live)[0])
+        return spare
 
     def assign(self, key: str, env: dict[str, str], argv: list[str], module: bool) -> None:
         """Make spare ``key`` become a worker: its environment and script."""
