@@ -37,7 +37,7 @@ from common import (
     timed,
 )
 from limits import striped_write
-from unbroken.shards import packed
+from unbroken.format.shards import packed
 
 WAIT_S = 120.0  # longest wait for a background save; a hang fails the run instead
 # the training stand-in: LAYERS x REPEAT single-threaded (BATCH x HIDDEN) @ (HIDDEN x HIDDEN)

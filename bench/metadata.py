@@ -11,13 +11,13 @@ loaded, as a training process has). The busiest rank, rank 0, in each case:
 
 - save, unbroken: the gathered rows of every rank's blocks decoded, the blocks shared by
   several ranks found, the write plan made (every rank does this much), then each block's
-  place set and the manifest encoded (rank 0), as `unbroken.saving` does;
+  place set and the manifest encoded (rank 0), as `unbroken.saving.pipeline` does;
 - save, DCP: its coordinator's work: every rank's local plan unpickled,
   ``DefaultSavePlanner.create_global_plan``, the storage info FileSystemWriter records
   per chunk, and the metadata pickled;
 - restore, unbroken: the manifest parsed and validated (every rank); DCP: its
   ``.metadata`` unpickled (every rank);
-- unbroken with the garbage collector running during all of this (`unbroken.bulk` pauses
+- unbroken with the garbage collector running during all of this (`unbroken.job.gc_paused` pauses
   it), to show what the pause is worth;
 - limit: json.loads of the same bytes (the rows; the manifest) and, for the save,
   json.dumps of the same manifest, with the collector paused: the part of the work no
@@ -50,17 +50,18 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from common import new_table, print_result, show
 from limits import check_limits
-from unbroken import bulk, format
-from unbroken.describing import shared
-from unbroken.format import Manifest
-from unbroken.plan import Block, make_plan
+from unbroken.format import layout
+from unbroken.format.layout import Manifest
+from unbroken.format.write_plan import Block, make_plan
+from unbroken.job import gc_paused
+from unbroken.saving.checksums import shared
 
 ROWS, COLS = 16, 4096  # one rank's shard of every tensor: 16 x 4096 bf16 (128 KiB)
 SHARD = ROWS * COLS * 2
 
 
 def rows_of(ranks: int, tensors: int) -> list[bytes]:
-    """Each rank's row of blocks as `unbroken.dist.Comm.all_gather` carries it."""
+    """Each rank's row of blocks as `unbroken.job.comm.Comm.all_gather` carries it."""
     return [
         json.dumps(
             [
@@ -81,7 +82,7 @@ def rows_of(ranks: int, tensors: int) -> list[bytes]:
 
 
 def unbroken_save(wire: list[bytes], pause: Callable[[], Any]) -> bytes:
-    """What `unbroken.saving` does between its collectives, on rank 0."""
+    """What `unbroken.saving.pipeline` does between its collectives, on rank 0."""
     with pause():
         rows = [json.loads(w) for w in wire]
     with pause():
@@ -166,7 +167,7 @@ def collector_paused() -> Iterator[None]:  # the limit's JSON work: no collectio
 
 def measure(ranks: int, tensors: int, repeats: int) -> dict[str, list[float]]:
     wire, plans = rows_of(ranks, tensors), dcp_plans(ranks, tensors)
-    manifest = unbroken_save(wire, bulk.building)
+    manifest = unbroken_save(wire, gc_paused.building)
     metadata = dcp_save(plans)
     body = json.loads(manifest)
     Manifest.from_json(manifest, "bench")  # it parses: the bench measures a valid manifest
@@ -182,17 +183,17 @@ def measure(ranks: int, tensors: int, repeats: int) -> dict[str, list[float]]:
 
     def unpaused(fn: Callable[[], object]) -> Callable[[], object]:
         def run() -> object:
-            format.building = contextlib.nullcontext  # type: ignore[assignment]
+            layout.building = contextlib.nullcontext  # type: ignore[assignment]
             try:
                 return fn()
             finally:
-                format.building = bulk.building
+                layout.building = gc_paused.building
 
         return run
 
     ops: dict[str, Callable[[], object]] = {
         "save limit": limit_save,
-        "save unbroken": lambda: unbroken_save(wire, bulk.building),
+        "save unbroken": lambda: unbroken_save(wire, gc_paused.building),
         "save unbroken, collector running": unpaused(
             lambda: unbroken_save(wire, contextlib.nullcontext)
         ),

@@ -5,7 +5,7 @@ of bench/recovery.py, and on its own:
 
 Per world size, in forked tiny ranks on one store: the default gloo group's
 (re-)initialisation, a Checkpointer-style group created eagerly (gloo's full mesh, as
-before) and lazily (``TORCH_GLOO_LAZY_INIT``, what `unbroken.dist.Comm` does outside
+before) and lazily (``TORCH_GLOO_LAZY_INIT``, what `unbroken.job.comm.Comm` does outside
 in-process recovery) with its first use (an all_gather, a broadcast and a ring of
 point-to-point messages, what a Checkpointer does first), and in one extra round the
 store requests each of them makes (a counting store wrapper: Python calls, so that

@@ -20,7 +20,7 @@ group, the same DTensors on a 1-D mesh of their number), each method restores in
   need (adjacent ranges merged, no checksums, no format), into a preallocated buffer:
   from disk by as many threads as unbroken's ``io_threads``, with ``os.preadv`` in 16 MiB
   calls; from S3 by parallel ranged GETs with unbroken's client and request concurrency,
-  cut as unbroken's planner cuts them (`unbroken.coalesce`: its request size and grid).
+  cut as unbroken's planner cuts them (`unbroken.format.coalesce`: its request size and grid).
   unbroken reads the same bytes and more (whole 1 MiB checksum pieces), so the limit
   bounds it from above.
 
@@ -71,9 +71,9 @@ from limits import STREAMS, check_limits
 from reshard_report import report
 from s3_clients import Server, boto3_client, remove_bucket
 from s3_servers import start_moto, start_rgw
-from unbroken.coalesce import Extent, plan, rules_for
-from unbroken.format import Manifest
-from unbroken.shards import overlap
+from unbroken.format.coalesce import Extent, plan, rules_for
+from unbroken.format.layout import Manifest
+from unbroken.format.shards import overlap
 from unbroken.storage.s3 import S3Options, S3Storage
 
 SAVED_ON = 4

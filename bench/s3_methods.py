@@ -42,8 +42,8 @@ from s3_clients import (
     reason_of,
     small_get_ms,
 )
-from unbroken.coalesce import rules_for
-from unbroken.shards import FILE_BYTES
+from unbroken.format.coalesce import rules_for
+from unbroken.format.shards import FILE_BYTES
 from unbroken.storage.s3 import S3Options, S3Storage, upload_parts
 
 PART = 16 * MIB  # raw limit: multipart part size and ranged-GET piece, as unbroken's default

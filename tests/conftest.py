@@ -136,21 +136,21 @@ def rgw_bucket(rgw: RGW) -> tuple[str, dict]:
 
 
 class BackupSpy:
-    """Counts the bytes restores back up (`unbroken.restoring.Backup`, spied on)."""
+    """Counts the bytes restores back up (`unbroken.restoring.pipeline.Backup`, spied on)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import unbroken.backup
-        import unbroken.restoring
+        import unbroken.restoring.backup
+        import unbroken.restoring.pipeline
 
         self.nbytes = 0
         spy = self
 
-        class Counted(unbroken.backup.Backup):
+        class Counted(unbroken.restoring.backup.Backup):
             def __init__(self, regions: object) -> None:
                 super().__init__(regions)  # type: ignore[arg-type]
                 spy.nbytes += sum(copy.nbytes for _, copy in self._saved)
 
-        monkeypatch.setattr(unbroken.restoring, "Backup", Counted)
+        monkeypatch.setattr(unbroken.restoring.pipeline, "Backup", Counted)
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from datetime import timedelta
 import pytest
 
 from ranks import run_ranks
-from unbroken import abort
 from unbroken.errors import CheckpointError
+from unbroken.job import abort
 
 GROUP_TIMEOUT_S = 60  # what the stuck operations would otherwise wait
 
@@ -73,7 +73,7 @@ def test_abort_frees_collectives_stuck_on_a_live_peer_at_both_ends():
 
 
 def test_checkpointer_waits_give_up_once_aborted():
-    from unbroken.checkpointer import _wait
+    from unbroken.job.background import wait_for as _wait
 
     never: Future[None] = Future()
     abort.begin()
@@ -133,7 +133,7 @@ _JOIN_ABORTED = """
 import json, os, threading, time
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
-from unbroken import abort
+from unbroken.job import abort
 from unbroken.run import inprocess
 
 server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -181,7 +181,7 @@ def test_abort_ends_a_generations_rendezvous_and_the_next_one_names_groups_alike
 def _group_used_after_losing_a_peer(rank: int, world: int) -> dict[str, object]:
     import os
 
-    from unbroken.dist import Comm
+    from unbroken.job.comm import Comm
 
     comm = Comm(None, timedelta(seconds=GROUP_TIMEOUT_S))
     assert comm.all_gather(rank) == [0, 1]

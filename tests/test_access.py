@@ -19,8 +19,8 @@ import torch
 
 from unbroken import Checkpointer, CheckpointError, Progress
 from unbroken.access import GROUP_ENV, Access
-from unbroken.goodput.rundir import new_dir
-from unbroken.memory import MemoryTier
+from unbroken.memory.tier import MemoryTier
+from unbroken.run.rundir import new_dir
 from unbroken.run.timeline import Timeline
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""`unbroken.bulk.building`: the garbage collector is paused inside and runs again after,
+"""`unbroken.job.gc_paused.building`: the garbage collector is paused inside and runs again after,
 whatever happens inside, on however many threads, and in a child forked meanwhile."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from unbroken.bulk import building
 from unbroken.errors import CorruptCheckpointError
-from unbroken.format import Manifest
+from unbroken.format.layout import Manifest
+from unbroken.job.gc_paused import building
 
 
 def test_paused_inside_nested_and_running_after():

@@ -9,8 +9,8 @@ import torch
 import unbroken
 from conftest import make_model, train_steps
 from unbroken import Checkpointer, CheckpointError, CorruptCheckpointError
-from unbroken.format import MANIFEST, VERSION, step_dir
-from unbroken.memory import OWN_SLOTS
+from unbroken.format.layout import MANIFEST, VERSION, step_dir
+from unbroken.memory.tier import OWN_SLOTS
 
 
 def _state(seed=0):

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import unbroken
-from unbroken.cli import main
-from unbroken.format import step_dir
+from unbroken.cli.main import main
+from unbroken.format.layout import step_dir
 from unbroken.run.args import script_problem
 
 
@@ -204,7 +204,7 @@ def test_exit_codes_are_documented_and_usage_errors_return_2(capsys):
 
 
 def _parser_help():
-    from unbroken.cli import _parser
+    from unbroken.cli.main import _parser
 
     _parser().parse_args(["--help"])
 

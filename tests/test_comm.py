@@ -1,6 +1,6 @@
 """The checkpointer's group: its operations return only once gloo has let go of their
 tensors, so that no gloo thread frees a Python object afterwards (a fork at that instant
-leaves the child hung on CPython before 3.11.10; `unbroken.dist` says why)."""
+leaves the child hung on CPython before 3.11.10; `unbroken.job.comm` says why)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROUNDS = 60  # without the wait, gloo still held a tensor after ~1 in 3 operatio
 def _held_after_each_operation(rank: int, world: int) -> dict[str, int]:
     import torch.distributed as dist
 
-    from unbroken.dist import Comm
+    from unbroken.job.comm import Comm
 
     comm = Comm(None, timedelta(seconds=30))
     handed: list[torch.Tensor] = []

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from unbroken import Checkpointer, claims
+from unbroken import Checkpointer
 from unbroken.errors import CheckpointError
-from unbroken.format import step_dir
+from unbroken.format.layout import step_dir
 from unbroken.run import faults
+from unbroken.saving import claims
 from unbroken.storage.local import LocalStorage
 
 SIZE = 1 << 18  # 1 MiB a tensor: saves take long enough to overlap

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 import unbroken
 from ranks import run_ranks
-from unbroken.cli import main as cli
+from unbroken.cli.main import main as cli
 from unbroken.data import (
     ByteTokenizer,
     DataFileError,

@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import unbroken.dcp
 from ranks import run_ranks
-from unbroken.cli import main as cli
-from unbroken.directory import Directory
+from unbroken.cli.main import main as cli
 from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.format.directory import Directory
 from unbroken.storage import open_storage
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from unbroken.cli import main as cli
+from unbroken.cli.main import main as cli
 from unbroken.data import ByteTokenizer, TokenDataset
 from unbroken.demo import report, run
 from unbroken.demo.model import GPTConfig, TinyGPT, load_corpus, tokenise_corpus

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from unbroken import Checkpointer, describing
-from unbroken.format import Manifest, block_checksums, step_dir
-from unbroken.plan import Block
-from unbroken.shards import byte_view
+from unbroken import Checkpointer
+from unbroken.format.layout import Manifest, block_checksums, step_dir
+from unbroken.format.shards import byte_view
+from unbroken.format.write_plan import Block
+from unbroken.saving import checksums as describing
 from unbroken.storage.local import LocalStorage
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,7 +69,7 @@ def test_a_block_only_this_rank_holds_is_hashed_while_it_is_written(tmp_path, mo
 def _job(rank: int, world: int, path: str) -> list[str]:
     """A replicated tensor and a per-rank shard; each hash records its size and whether
     any shard file was being written by then."""
-    from unbroken import describing as d
+    from unbroken.saving import checksums as d
 
     seen: list[str] = []
     files: list[str] = []

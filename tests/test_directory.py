@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from unbroken import Checkpointer
-from unbroken.directory import Directory
 from unbroken.errors import CheckpointError
-from unbroken.format import LATEST, MANIFEST, step_dir
+from unbroken.format.directory import Directory
+from unbroken.format.layout import LATEST, MANIFEST, step_dir
 from unbroken.storage import open_storage
 
 

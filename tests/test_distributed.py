@@ -8,7 +8,7 @@ import os
 import pytest
 
 from ranks import run_ranks
-from unbroken.format import MANIFEST, step_dir
+from unbroken.format.layout import MANIFEST, step_dir
 
 pytestmark = pytest.mark.timeout(180)
 

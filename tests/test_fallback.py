@@ -14,7 +14,7 @@ import unbroken
 from conftest import make_model, train_steps
 from ranks import run_ranks
 from unbroken import Checkpointer, CorruptCheckpointError
-from unbroken.format import step_dir
+from unbroken.format.layout import step_dir
 from unbroken.run import contract, worker
 
 

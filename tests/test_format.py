@@ -3,8 +3,8 @@ import torch
 from safetensors import safe_open
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import Chunk, Manifest, TensorEntry, parse_step_dir, step_dir
-from unbroken.plan import Block, make_plan
+from unbroken.format.layout import Chunk, Manifest, TensorEntry, parse_step_dir, step_dir
+from unbroken.format.write_plan import Block, make_plan
 
 
 def _manifest(**changes):

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.goodput import account, rundir
+from unbroken.goodput import account
 from unbroken.goodput.cli import main as goodput_main
-from unbroken.run import contract, worker
+from unbroken.run import contract, rundir, worker
 from unbroken.run.timeline import Timeline
 
 ROOT = Path(__file__).resolve().parent.parent

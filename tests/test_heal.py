@@ -5,7 +5,7 @@ under ``unbroken run --in-process``: the healthy ranks keep their processes and 
 live state, the replacement gets the model and optimizer from a healthy replica and its
 own per-step record from a peer, no step is rolled back, and the run ends bitwise equal
 to an uninterrupted one. At 4 ranks that also needs the DDP bucket layout carried over
-(`unbroken.buckets`); restart-all (plain ``unbroken run``) is held to the same result.
+(`unbroken.healing.ddp_buckets`); restart-all (plain ``unbroken run``) is held to the same result.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import pytest
 import torch
 from torch import nn
 
-from unbroken import healing, records
 from unbroken.errors import CheckpointError
-from unbroken.records import Record
+from unbroken.healing import live, records
+from unbroken.healing.records import Record
 
 STEPS = 16
 SAVE_EVERY = 10
@@ -135,16 +135,16 @@ def table(*rows: tuple[int | None, dict[int, list[int]]]) -> list[dict]:
 
 
 def test_plan_heals_only_where_every_lost_record_is_held_at_the_live_step():
-    ok = healing.plan(table((7, {}), (None, {}), (7, {1: [6, 7]}), (7, {3: [7]})))
-    assert ok == healing.Plan(step=7, source={1: 0}, holder={1: 2})
-    two = healing.plan(table((5, {2: [5]}), (5, {3: [5]}), (None, {}), (None, {})))
+    ok = live.plan(table((7, {}), (None, {}), (7, {1: [6, 7]}), (7, {3: [7]})))
+    assert ok == live.Plan(step=7, source={1: 0}, holder={1: 2})
+    two = live.plan(table((5, {2: [5]}), (5, {3: [5]}), (None, {}), (None, {})))
     assert two is not None and two.source == {2: 0, 3: 1}  # spread over the live ranks
     # A rank one step ahead (it finished a step the others did not): no exact heal.
-    assert healing.plan(table((7, {1: [7]}), (None, {}), (8, {}), (7, {}))) is None
+    assert live.plan(table((7, {1: [7]}), (None, {}), (8, {}), (7, {}))) is None
     # The lost rank's record of the live step is held nowhere.
-    assert healing.plan(table((7, {1: [6]}), (None, {}), (7, {}), (7, {}))) is None
-    assert healing.plan(table((None, {}), (None, {}))) is None  # nothing live: restart-all
-    assert healing.plan(table((4, {}), (4, {}))) == healing.Plan(4, {}, {})
+    assert live.plan(table((7, {1: [6]}), (None, {}), (7, {}), (7, {}))) is None
+    assert live.plan(table((None, {}), (None, {}))) is None  # nothing live: restart-all
+    assert live.plan(table((4, {}), (4, {}))) == live.Plan(4, {}, {})
 
 
 def test_record_keeps_only_what_replicas_do_not_share_and_checks_what_it_reads():
@@ -184,7 +184,7 @@ def test_registry_keeps_the_two_newest_records_per_rank():
 def _exchange_job(rank: int, world: int) -> list[int]:
     from datetime import timedelta
 
-    from unbroken.dist import Comm
+    from unbroken.job.comm import Comm
 
     comm = Comm(None, timedelta(seconds=30))
     peer = 1 - rank
@@ -216,7 +216,7 @@ def _parts_job(rank: int, world: int) -> list[bool]:
     them: the tracker counts the model as data-parallel (healable) only once both ran."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from unbroken.buckets import Tracker
+    from unbroken.healing.ddp_buckets import Tracker
 
     tracker = Tracker()
     model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
@@ -251,7 +251,7 @@ def test_a_rank_past_its_record_is_healed_back_to_the_live_step_never_mixed():
 def _window_job(rank: int, world: int, job: str) -> list[tuple[int | None, bool, bool]]:
     from datetime import timedelta
 
-    from unbroken.dist import Comm
+    from unbroken.job.comm import Comm
 
     comm = Comm(None, timedelta(seconds=30))
     torch.manual_seed(0)
@@ -284,7 +284,7 @@ def _window_job(rank: int, world: int, job: str) -> list[tuple[int | None, bool,
         if rank in stepped:
             train_step(3)  # the fault comes after this step, before its record
         before = snapshot()
-        healed = healing.heal(comm, f"{job}-{case}", state)
+        healed = live.heal(comm, f"{job}-{case}", state)
         at = None if healed is None else healed[0].step
         results.append((at, same(snapshot(), recorded), same(snapshot(), before)))
         if healed is None:

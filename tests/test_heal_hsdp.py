@@ -14,19 +14,19 @@ import torch
 from torch import nn
 
 from test_heal import table
-from unbroken import healing, records
-from unbroken.records import Record
+from unbroken.healing import live, records
+from unbroken.healing.records import Record
 
 
 def test_plan_takes_a_lost_ranks_source_among_the_ranks_holding_its_shard():
     """HSDP on a 2x2 mesh: ranks 0 and 2 hold one shard, 1 and 3 the other."""
     peers = [[0, 2], [1, 3], [0, 2], [1, 3]]
     rows = table((None, {}), (None, {}), (5, {0: [5]}), (5, {1: [5]}))
-    chosen = healing.plan([{**row, "peers": p} for row, p in zip(rows, peers, strict=True)])
-    assert chosen == healing.Plan(step=5, source={0: 2, 1: 3}, holder={0: 2, 1: 3})
+    chosen = live.plan([{**row, "peers": p} for row, p in zip(rows, peers, strict=True)])
+    assert chosen == live.Plan(step=5, source={0: 2, 1: 3}, holder={0: 2, 1: 3})
     # Both holders of shard 0 lost: no live replica, the snapshot path restores.
     rows = table((None, {}), (5, {0: [5]}), (None, {}), (5, {2: [5]}))
-    assert healing.plan([{**row, "peers": p} for row, p in zip(rows, peers, strict=True)]) is None
+    assert live.plan([{**row, "peers": p} for row, p in zip(rows, peers, strict=True)]) is None
 
 
 @pytest.mark.timeout(120)
@@ -48,8 +48,8 @@ def _hsdp_job(rank: int, world: int, job: str) -> tuple:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from unbroken.dist import Comm
-    from unbroken.peers import local
+    from unbroken.healing.peers import local
+    from unbroken.job.comm import Comm
     from unbroken.state import capture
 
     comm = Comm(None, timedelta(seconds=30))
@@ -79,7 +79,7 @@ def _hsdp_job(rank: int, world: int, job: str) -> tuple:
     if rank in (0, 1):  # replica group 0 lost: replacements, fresh, holding nothing
         records.forget(job)
         state = build(99)
-    healed = healing.heal(comm, job, state)
+    healed = live.heal(comm, job, state)
     at = None if healed is None else healed[0].step
     ok = same(held(state), before) and state["progress"] == {"step": 3}
     for step in (4, 5):
@@ -91,7 +91,7 @@ def _hsdp_job(rank: int, world: int, job: str) -> tuple:
         records.forget(job)
         state = build(7)
         now = held(state)
-    refused = healing.heal(comm, job, state)
+    refused = live.heal(comm, job, state)
     untouched = same(held(state), now)
     return at, ok, bitwise, untouched, refused
 
@@ -140,7 +140,7 @@ def _checkpointer_job(rank: int, world: int, where: str) -> tuple:
     from torch.distributed.device_mesh import init_device_mesh
 
     from unbroken import Checkpointer
-    from unbroken.peers import local
+    from unbroken.healing.peers import local
     from unbroken.run import contract
 
     os.environ[contract.NODE_ENV] = str(rank // 2)  # nodes {0, 1} and {2, 3}

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 import unbroken
-from unbroken.cli import main
+from unbroken.cli.main import main
 
 transformers = pytest.importorskip("transformers")
 

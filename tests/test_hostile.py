@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import FORMAT, Manifest
-from unbroken.validate import stored_enough
+from unbroken.format.layout import FORMAT, Manifest
+from unbroken.format.validate import stored_enough
 
 FUZZ = int(os.environ.get("UNBROKEN_FUZZ_EXAMPLES", "300"))
 
@@ -206,7 +206,7 @@ def test_a_tampered_checkpoint_leaves_the_state_and_other_files_alone(tmp_path, 
     import torch
 
     from unbroken import Checkpointer
-    from unbroken.format import MANIFEST, step_dir
+    from unbroken.format.layout import MANIFEST, step_dir
 
     outside = tmp_path / "outside"
     outside.write_bytes(b"secret" * 100)
@@ -257,7 +257,7 @@ def two_steps(tmp_path):
     import torch
 
     from unbroken import Checkpointer
-    from unbroken.directory import Directory
+    from unbroken.format.directory import Directory
     from unbroken.storage import open_storage
 
     ckpt = Checkpointer(tmp_path / "ckpt")
@@ -276,8 +276,8 @@ def test_a_hostile_latest_pointer_is_ignored_for_the_listing(two_steps, data: by
 
 @pytest.mark.parametrize("data", INFOS)
 def test_a_hostile_info_file_falls_back_to_the_manifest(two_steps, data: bytes) -> None:
-    from unbroken.collector import INFO, read_info
-    from unbroken.format import step_dir
+    from unbroken.format.layout import step_dir
+    from unbroken.saving.committed import INFO, read_info
 
     path, directory = two_steps
     assert read_info(directory, 2).metric == 2.0
@@ -291,7 +291,7 @@ def test_a_hostile_info_file_falls_back_to_the_manifest(two_steps, data: bytes) 
 def test_fuzzed_safetensors_headers_fail_cleanly(data: bytes, size: int) -> None:
     """Any bytes as a shard's header, any file size: ranges inside the file, or
     CheckpointError naming the shard."""
-    from unbroken.validate import header_ranges
+    from unbroken.format.validate import header_ranges
 
     try:
         ranges = header_ranges(data, size, "s.safetensors")
@@ -304,8 +304,8 @@ def test_fuzzed_safetensors_headers_fail_cleanly(data: bytes, size: int) -> None
 def test_a_real_header_lists_its_blocks() -> None:
     import torch
 
-    from unbroken.format import safetensors_header
-    from unbroken.validate import header_ranges
+    from unbroken.format.layout import safetensors_header
+    from unbroken.format.validate import header_ranges
 
     header = safetensors_header([("a", torch.float32, [2, 3], 24), ("b", torch.int8, [5], 5)])
     size = len(header) + 29

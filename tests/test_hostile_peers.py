@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from test_hostile import FUZZ, good, json_values
 from unbroken.errors import CheckpointError
-from unbroken.format import Manifest
+from unbroken.format.layout import Manifest
 
 # -- live-healing records from a peer ----------------------------------------------------
 
@@ -26,7 +26,7 @@ def _record_bytes(header_change: Callable[[dict[str, Any]], None] | None = None)
 
     import torch
 
-    from unbroken.records import Record
+    from unbroken.healing.records import Record
 
     state = {"rng": {"seen": torch.arange(6, dtype=torch.float32)}, "note": {"epoch": 3}}
     record = Record.make(7, 1, state, layouts={})
@@ -63,7 +63,7 @@ RECORD_CASES = {
 
 
 def test_a_real_record_decodes() -> None:
-    from unbroken.records import Record
+    from unbroken.healing.records import Record
 
     record = Record.decode(_record_bytes(), "rank 1")
     assert record.step == 7 and list(record.tensors()["rng/seen"].tolist()) == [0, 1, 2, 3, 4, 5]
@@ -71,7 +71,7 @@ def test_a_real_record_decodes() -> None:
 
 @pytest.mark.parametrize("case", sorted(RECORD_CASES))
 def test_a_tampered_record_is_refused_before_anything_is_allocated(case: str) -> None:
-    from unbroken.records import Record
+    from unbroken.healing.records import Record
 
     data = _record_bytes(RECORD_CASES[case])
     if case == "deep nesting":  # well-formed JSON, only deep: fine if the checksum holds
@@ -86,7 +86,7 @@ def test_a_tampered_record_is_refused_before_anything_is_allocated(case: str) ->
 def test_fuzzed_records_fail_cleanly(data: st.DataObject) -> None:
     """A record whose header field is any JSON value, or whose bytes are cut or flipped:
     decoded whole (and its tensors then read) or CheckpointError, nothing else."""
-    from unbroken.records import Record
+    from unbroken.healing.records import Record
 
     key = data.draw(st.sampled_from(["step", "rank", "tree", "tensors", "xxh3", "extra"]))
     raw = bytearray(_record_bytes(_field([key], data.draw(json_values))))
@@ -103,7 +103,7 @@ def test_fuzzed_records_fail_cleanly(data: st.DataObject) -> None:
 def test_fuzzed_snapshot_descriptions_fail_cleanly(data: st.DataObject) -> None:
     """A shared-memory slot's description with any field replaced by any JSON value, or
     arbitrary bytes: read (and its manifest parsed) or ValueError/CheckpointError only."""
-    from unbroken.validate import snapshot_description
+    from unbroken.format.validate import snapshot_description
 
     good_manifest = json.dumps(good())
     if data.draw(st.booleans()):

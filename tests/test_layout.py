@@ -1,6 +1,6 @@
-"""The shape of the code: small modules, short functions, no import cycle, and pipelines
-that never reach back into the facade. (The public names are tested beside what they
-name: tests/test_state.py and tests/test_launcher.py.)"""
+"""The shape of the code: small modules, short functions, no import cycle, pipelines that
+never reach back into the facade, and wings whose dependencies go one way. (The public
+names are tested beside what they name: tests/test_state.py and tests/test_launcher.py.)"""
 
 from __future__ import annotations
 
@@ -77,4 +77,76 @@ def test_no_import_cycle():
 def test_library_pipelines_never_import_the_facade():
     graph = _import_graph()
     users = {m for m, deps in graph.items() if "unbroken.checkpointer" in deps}
-    assert users <= {"unbroken", "unbroken.offline", "unbroken.cli"}, users
+    assert users <= {"unbroken", "unbroken.format.offline", "unbroken.cli.main"}, users
+
+
+# The top level holds the public API; the wings are its subpackages. Lowest first: a part
+# may import only parts before it (one way, so no two wings ever need each other).
+ORDER = (
+    *("errors", "access", "state", "policies", "retention", "preemption", "options"),
+    *("job", "run", "storage", "format", "sdc", "memory", "restoring", "healing", "saving"),
+    *("dcp", "lightning", "checkpointer", "unbroken", "goodput", "data", "demo", "cli"),
+    "__main__",
+)
+# A warm spare imports the whole library ahead of its assignment, to be ready sooner.
+PRELOADS = {("unbroken.run.spare", "unbroken")}
+
+
+def _part(module: str) -> str:
+    """The wing a module belongs to, or the top-level module itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "unbroken"
+
+
+def _crossings() -> list[tuple[str, str]]:
+    graph = _import_graph()
+    return [
+        (m, d)
+        for m, deps in graph.items()
+        for d in deps
+        if _part(m) != _part(d) and (m, d) not in PRELOADS
+    ]
+
+
+def _wings() -> list[str]:
+    return sorted(p.parent.name for p in (SRC / "unbroken").glob("*/__init__.py"))
+
+
+def _declared(wing: str, label: str) -> set[str]:
+    doc = ast.get_docstring(ast.parse((SRC / "unbroken" / wing / "__init__.py").read_text()))
+    assert doc and f"\n{label}:" in f"\n{doc}", f"unbroken.{wing}: its docstring names no {label}"
+    text = f"{doc}\n".split(f"{label}:", 1)[1].split(".\n", 1)[0]
+    names = (w.split("(")[0].strip() for w in text.replace("\n", " ").split(","))
+    return {name for name in names if name}
+
+
+def test_every_part_of_the_package_has_a_place_in_the_order():
+    tops = {p.stem for p in (SRC / "unbroken").glob("*.py")} - {"__init__"}
+    assert set(ORDER) == tops | set(_wings()) | {"unbroken"}
+
+
+def test_dependencies_between_wings_go_one_way():
+    rank = {part: i for i, part in enumerate(ORDER)}
+    upward = [f"{m} -> {d}" for m, d in _crossings() if rank[_part(d)] > rank[_part(m)]]
+    assert not upward, "these import a later wing (move the code down, or hand it in):\n" + (
+        "\n".join(sorted(upward))
+    )
+
+
+def test_each_wing_imports_only_what_its_docstring_allows():
+    wrong = [
+        f"{m} -> {d}"
+        for m, d in _crossings()
+        if _part(m) in _wings() and _part(d) not in _declared(_part(m), "May import")
+    ]
+    assert not wrong, "not in the importing wing's 'May import':\n" + "\n".join(sorted(wrong))
+
+
+def test_other_wings_enter_a_wing_through_its_entry_points():
+    """Interop and the facade use a wing's named entry points, never its inner rooms."""
+    wrong = []
+    for m, d in _crossings():
+        wing, inner = _part(d), d.split(".")[2:]
+        if wing in _wings() and inner and inner[0] not in _declared(wing, "Entry points"):
+            wrong.append(f"{m} -> {d}")
+    assert not wrong, "not a named entry point of its wing:\n" + "\n".join(sorted(wrong))

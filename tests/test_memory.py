@@ -16,8 +16,8 @@ import unbroken
 from conftest import make_model, train_steps
 from ranks import run_ranks
 from unbroken import Checkpointer, CheckpointError
-from unbroken.format import step_dir
-from unbroken.memory import partners
+from unbroken.format.layout import step_dir
+from unbroken.memory.tier import partners
 
 
 def _state(seed=0):

@@ -1,7 +1,7 @@
 """Restoring onto another number of ranks: FSDP2 (1-D and a 2-D HSDP mesh) and DDP state
 with optimizer state, saved on 4 gloo ranks and restored on 2, 3 and one process without
 torch.distributed, and saved on 2 and restored on 3; per-rank state under the rule of
-`unbroken.reshard`; piece checksums on partial reads; version-1 checkpoints."""
+`unbroken.restoring.reshard`; piece checksums on partial reads; version-1 checkpoints."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import unbroken
 from ranks import run_ranks
 from test_distributed import CountingReads
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import MANIFEST, PIECE_BYTES, Chunk, Manifest, TensorEntry, step_dir
-from unbroken.reshard import PerRank, saved_objects
-from unbroken.shards import fill, fill_regions
+from unbroken.format.layout import MANIFEST, PIECE_BYTES, Chunk, Manifest, TensorEntry, step_dir
+from unbroken.format.shards import fill, fill_regions
+from unbroken.restoring.reshard import PerRank, saved_objects
 from unbroken.state import capture
 from unbroken.storage.local import LocalStorage
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unbroken import Checkpointer, CheckpointError, CorruptCheckpointError
-from unbroken.format import step_dir
+from unbroken.format.layout import step_dir
 from unbroken.retention import (
     Info,
     KeepBest,
@@ -219,7 +219,7 @@ def test_retention_never_deletes_the_last_good_checkpoint(keep, every, ops):
 
 
 def test_gc_applies_the_same_rules_from_the_command_line(tmp_path, capsys):
-    from unbroken.cli import main
+    from unbroken.cli.main import main
 
     ckpt = Checkpointer(tmp_path)
     for step in range(1, 11):

@@ -197,8 +197,8 @@ def test_reshard_reads_on_s3_share_requests_across_blocks(bucket):
     """Parts of other blocks (restoring on another number of ranks) go through the same
     planner as whole blocks: 8 blocks of 1.25 MiB back to back in 2 ranged GETs, not 8."""
     uri, options = bucket
-    from unbroken.format import step_dir
-    from unbroken.shards import fill_regions
+    from unbroken.format.layout import step_dir
+    from unbroken.format.shards import fill_regions
 
     state = {f"t{i}": torch.randn(320, 1024) for i in range(8)}
     ckpt = Checkpointer(uri, storage_options=options)
@@ -229,7 +229,7 @@ def test_ranged_gets_grow_with_the_measured_round_trip(bucket, proxy):
     GETs of 8 MiB (nothing measured yet); by the second, the storage has measured that a
     GET must be far larger to spend most of its time moving bytes, and reads in GETs of the
     part size (16 MiB): half as many."""
-    from unbroken.coalesce import MIN_PIECE, rules_for
+    from unbroken.format.coalesce import MIN_PIECE, rules_for
 
     uri, direct = bucket
     proxy_server, _, slow = proxy

@@ -1,7 +1,7 @@
 """Restores from S3 keep what they read in the client's response buffers (from files: their
 mapped pages) until every rank has read and checked its part, then place it: a failure
 anywhere, on any rank, leaves the live state as it was, and no backup copy of the state is
-taken (`unbroken.reading`)."""
+taken (`unbroken.restoring.reading`)."""
 
 import os
 
@@ -12,7 +12,7 @@ import unbroken
 from conftest import s3_client
 from ranks import run_ranks
 from unbroken import Checkpointer, CorruptCheckpointError
-from unbroken.format import step_dir
+from unbroken.format.layout import step_dir
 from unbroken.storage.local import LocalStorage
 from unbroken.storage.s3 import S3Options, S3Storage
 

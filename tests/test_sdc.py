@@ -15,8 +15,8 @@ import torch
 
 from ranks import run_ranks
 from unbroken.errors import CheckpointError
-from unbroken.format import step_dir
-from unbroken.plan import Block
+from unbroken.format.layout import step_dir
+from unbroken.format.write_plan import Block
 from unbroken.sdc import SUSPECT, Replicated, suspect
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,8 +11,8 @@ import torch
 
 from ranks import run_ranks
 from unbroken import Checkpointer, CheckpointError
-from unbroken.memory import OWN_SLOTS
-from unbroken.snapshots import blocks_of, copy, seal
+from unbroken.memory.snapshots import blocks_of, copy, seal
+from unbroken.memory.tier import OWN_SLOTS
 
 
 def _ckpt(root, **kwargs: Any) -> Checkpointer:
@@ -146,7 +146,7 @@ def test_a_crash_after_a_snapshot_returned_finds_the_step_before_whole(tmp_path,
             gate.wait(60)
         seal(memory, copied, tree)
 
-    monkeypatch.setattr("unbroken.snapshots.seal", slow_seal)
+    monkeypatch.setattr("unbroken.memory.snapshots.seal", slow_seal)
     ckpt = _ckpt(str(tmp_path))
     state = {"w": torch.ones(1000)}
     ckpt.snapshot(1, state)
@@ -178,7 +178,7 @@ def test_a_failure_the_snapshot_waited_for_is_raised_before_a_slot_is_overwritte
             raise OSError("the disk under the slot went away")
         seal(memory, copied, tree)
 
-    monkeypatch.setattr("unbroken.snapshots.seal", failing_seal)
+    monkeypatch.setattr("unbroken.memory.snapshots.seal", failing_seal)
     ckpt = _ckpt(str(tmp_path))
     state = {"w": torch.ones(1000)}
     ckpt.snapshot(1, state)

@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from unbroken import Checkpointer, shards
-from unbroken.directory import Directory
+from unbroken import Checkpointer
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import Manifest, step_dir
-from unbroken.memory import MemoryTier
-from unbroken.snapshots import blocks_of, copy, seal
-from unbroken.sources import Fill, MemorySource, ReplicaSource, Source, StorageSource
+from unbroken.format import shards
+from unbroken.format.directory import Directory
+from unbroken.format.layout import Manifest, step_dir
+from unbroken.memory.snapshots import blocks_of, copy, seal
+from unbroken.memory.tier import MemoryTier
+from unbroken.restoring.sources import Fill, MemorySource, ReplicaSource, Source, StorageSource
 from unbroken.storage import open_storage
 
 pytestmark = pytest.mark.timeout(120)
@@ -152,8 +153,8 @@ def _replica_job(rank: int, world: int, root: str, case: str) -> tuple[str, str,
     """Rank 1's own copy is gone; rank 0 holds its replica and provides it."""
     import torch.distributed as dist
 
-    from unbroken import replicas
-    from unbroken.dist import Comm
+    from unbroken.job.comm import Comm
+    from unbroken.memory import replicas
 
     comm = Comm(None, timedelta(seconds=TIMEOUT_S))
     memory = MemoryTier(os.path.join(root, f"node-{rank}"), "job", rank, world)

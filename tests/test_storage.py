@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.coalesce import SLIVER, Extent, Rules, fetch, plan
 from unbroken.errors import CheckpointError
+from unbroken.format.coalesce import SLIVER, Extent, Rules, fetch, plan
 from unbroken.storage import Storage, open_storage
 
 
@@ -95,7 +95,7 @@ def test_unknown_schemes_and_options_are_refused(tmp_path):
         open_storage(str(tmp_path), {"region": "x"})
 
 
-# -- the one read planner (unbroken.coalesce), which every block read goes through ------
+# -- the one read planner (unbroken.format.coalesce), which every block read goes through ------
 
 _extents = st.lists(
     st.tuples(st.sampled_from("ab"), st.integers(0, 5000), st.integers(0, 3000)), max_size=25

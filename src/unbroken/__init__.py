@@ -6,11 +6,11 @@
 >>> step = ckpt.restore(state)
 """
 
-from unbroken.background import PendingSave
 from unbroken.checkpointer import Checkpointer
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.reshard import PerRank
-from unbroken.sources import Origin, Restored
+from unbroken.job.background import PendingSave
+from unbroken.restoring.reshard import PerRank
+from unbroken.restoring.sources import Origin, Restored
 from unbroken.state import Progress, RNGState, Stateful
 
 __all__ = [

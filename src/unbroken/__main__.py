@@ -1,5 +1,5 @@
 import sys
 
-from unbroken.cli import main
+from unbroken.cli.main import main
 
 sys.exit(main())

@@ -15,26 +15,29 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from unbroken import abort, records, restoring, saving, tiers
-from unbroken.background import PendingSave, SaveThread
-from unbroken.background import wait_for as _wait
-from unbroken.cadence import Cadence
-from unbroken.collector import Collector
-from unbroken.directory import Directory
-from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
-from unbroken.exiting import at_exit as _at_exit
-from unbroken.format import Manifest
+from unbroken.format.directory import Directory
+from unbroken.format.layout import Manifest
+from unbroken.healing import records
+from unbroken.healing.stepper import Stepper
+from unbroken.job import abort
+from unbroken.job.background import PendingSave, SaveThread, wait_for
+from unbroken.job.comm import Comm
+from unbroken.memory import placement
+from unbroken.memory.snapshots import Snapshots
 from unbroken.options import Options
 from unbroken.policies import SavePolicy
 from unbroken.preemption import Preemption
+from unbroken.restoring import pipeline as restoring
+from unbroken.restoring.sources import Restored
 from unbroken.retention import KeepLast, Retention
 from unbroken.run import worker
+from unbroken.saving import pipeline as saving
+from unbroken.saving.at_exit import at_exit
+from unbroken.saving.committed import Collector
+from unbroken.saving.decisions import Cadence
+from unbroken.saving.staging import Stager
 from unbroken.sdc import Replicated
-from unbroken.snapshots import Snapshots
-from unbroken.sources import Restored
-from unbroken.staging import Stager
-from unbroken.stepping import Stepper
 from unbroken.storage import Storage, open_storage
 
 log = logging.getLogger("unbroken")
@@ -104,7 +107,7 @@ class Checkpointer:
         self._replicating: Future[Any] | None = None
         self._snapshots: Snapshots | None = None  # made by the first `snapshot`
         self._job = job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{self.path}"
-        where = tiers.place(self._comm, self._job, memory, memory_dir, replicas)
+        where = placement.place(self._comm, self._job, memory, memory_dir, replicas)
         self._memory = where.memory
         self._replica_partners = where.partners  # ranks that keep replicas of this rank
         self._replica_sources = where.sources  # ranks this rank keeps replicas of
@@ -116,10 +119,9 @@ class Checkpointer:
         self._failure: tuple[int, BaseException] | None = None
         self._lock = threading.Lock()
         self._closed = False
-        # The outcome of the last `restore`: its step and where each rank's state came
-        # from (None: none yet, or it found nothing to restore).
+        # The last `restore`'s step and each rank's origin (None: none, or nothing found).
         self.last_restore: Restored | None = None
-        _at_exit(self)
+        at_exit(self)
         abort.register(self)
 
     @property
@@ -202,7 +204,7 @@ class Checkpointer:
     def prepare(self, state: Mapping[str, Any]) -> None:
         """Allocate and touch, in the background, the staging buffer of background saves
         of ``state`` (whole: restored, or after a first step), so the first
-        ``save(blocking=False)`` blocks no longer than later ones (see `unbroken.staging`)."""
+        ``save(blocking=False)`` blocks no longer than later ones (`unbroken.saving.staging`)."""
         self._stager.reserve_for(state)
 
     def _submit(self, staged: saving.Staged, background: bool) -> PendingSave:
@@ -262,7 +264,7 @@ class Checkpointer:
             pending = [p._future for p in self._pending]
         if self._replicating is not None:
             pending.append(self._replicating)
-        _wait(pending, "waiting for background saves")
+        wait_for(pending, "waiting for background saves")
 
     def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
         """Keep ``state`` as ``step`` in this node's shared memory: no storage IO, and no
@@ -273,7 +275,7 @@ class Checkpointer:
         checksums and publishing (only then may a restore use it) and, with ``replicas``,
         sending it to the peers (collective: every rank snapshots the same steps) run in
         the background; the next snapshot never waits for the sending (a third slot: see
-        `unbroken.snapshots`), and for the publishing only if it outlasted the step in
+        `unbroken.memory.snapshots`), and for the publishing only if it outlasted the step in
         between: a crash after ``snapshot`` returned comes back from it or the one before."""
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
@@ -299,7 +301,7 @@ class Checkpointer:
         before the step's next collective; every rank, the same steps. It keeps a small
         record of what data-parallel replicas do not share (`Progress`, `RNGState`,
         schedulers, plain values) here and on a peer on another node, in one round trip,
-        so that `restore` can heal from live replicas (`unbroken.healing`); then beats
+        so that `restore` can heal from live replicas (`unbroken.healing.live`); then beats
         the heartbeat (`unbroken.run.tick`). With a ``policy`` it takes the snapshot or
         save the policy says; with ``preemption``, after a signal, it saves this step,
         blocking, and raises `Preempted`."""
@@ -354,9 +356,8 @@ class Checkpointer:
                 self._collector.damaged(bad.step)
         self._rollback = None if healed is None else healed.step
         self._stepper.agree_layouts(state, self._memory)
-        restored = None if self.last_restore is None else self.last_restore.step
-        worker.event("restore_done", step=restored)
-        return restored
+        worker.event("restore_done", step=self._rollback)
+        return self._rollback
 
     # -- shutdown --------------------------------------------------------------------
 

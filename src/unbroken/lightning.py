@@ -27,15 +27,15 @@ from typing import Any
 
 import torch
 
-from unbroken import saving
-from unbroken.background import SaveThread, wait_for
-from unbroken.collector import Collector
-from unbroken.directory import Directory
-from unbroken.dist import Comm
 from unbroken.errors import CheckpointError
-from unbroken.offline import read_all
+from unbroken.format.directory import Directory
+from unbroken.format.offline import read_all
+from unbroken.job.background import SaveThread, wait_for
+from unbroken.job.comm import Comm
 from unbroken.retention import KeepLast
-from unbroken.staging import Stager
+from unbroken.saving import pipeline as saving
+from unbroken.saving.committed import Collector
+from unbroken.saving.staging import Stager
 from unbroken.state import decode
 from unbroken.storage import open_storage
 

@@ -1,13 +1,14 @@
 """Silent data corruption: data-parallel replicas that should be identical but are not.
 
-Every save gathers each rank's block checksums (`unbroken.plan`). Ranks may legitimately
-hold different values under one key (RNG streams, data positions, per-rank counters: the
-manifest then tags each value with its ``Chunk.ranks``), so unbroken cannot tell on its own
-which state is replicated. `Replicated` names it: the top-level state entries (for example
-``("model", "optim")`` for ``state = {"model": ..., "optim": ...}``) whose tensors every
-rank holding the same region must hold bit for bit. The rule: for a tensor under one of
-those names, every region (same offsets) held by two or more ranks must have one checksum;
-sharded tensors (FSDP, tensor parallel) hold different regions and are never compared.
+Every save gathers each rank's block checksums (`unbroken.format.write_plan`). Ranks may
+legitimately hold different values under one key (RNG streams, data positions, per-rank
+counters: the manifest then tags each value with its ``Chunk.ranks``), so unbroken
+cannot tell on its own which state is replicated. `Replicated` names it: the top-level
+state entries (for example ``("model", "optim")`` for ``state = {"model": ..., "optim":
+...}``) whose tensors every rank holding the same region must hold bit for bit. The
+rule: for a tensor under one of those names, every region (same offsets) held by two or
+more ranks must have one checksum; sharded tensors (FSDP, tensor parallel) hold
+different regions and are never compared.
 
 A divergent region is named with its tensor, region and which ranks hold which value, is
 recorded as an ``sdc`` event (`unbroken.run.worker.event`), and then ``action`` decides:
@@ -25,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from unbroken.blockio import start
 from unbroken.errors import CheckpointError
-from unbroken.format import step_dir
-from unbroken.plan import Block
+from unbroken.format.blockio import start
+from unbroken.format.layout import step_dir
+from unbroken.format.write_plan import Block
 from unbroken.run.worker import event
 
 __all__ = ["SUSPECT", "Divergence", "Replicated", "SilentCorruptionError", "report", "suspect"]
@@ -132,7 +133,7 @@ def suspect(storage: object, step_dir: str) -> list[dict[str, object]] | None:
 def guard(
     replicated: Replicated | None, rank: int, storage: object, step: int, blocks: list[list[Block]]
 ) -> None:
-    """The save's check (one call from `unbroken.saving`): rank 0 writes ``suspect.json``
+    """The save's check (one call from `unbroken.saving.pipeline`): rank 0 writes ``suspect.json``
     into the step's folder before the manifest commits it."""
     if replicated is None:
         return

@@ -9,6 +9,9 @@ resumable distributed order.
   only the batches the loop received (not those prefetched).
 - `tokenise`: a corpus (text, JSONL, Parquet/Arrow) into a token file, once
   (``unbroken tokenise``).
+
+Entry points: command, files, tokenise.
+May import: (nothing: it stands alone).
 """
 
 from unbroken.data.dataset import TokenDataset

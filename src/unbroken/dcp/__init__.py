@@ -11,6 +11,9 @@ A step written this way is an ordinary unbroken checkpoint (``unbroken ls``, ``s
 nothing is pickled by unbroken on save or on load. Bytes items, the non-tensor values DCP's
 planner turns into ``torch.save`` bytes, are stored and verified as opaque bytes; DCP's
 default load planner unpickles them when it loads them (DCP's behaviour, not unbroken's).
+
+Entry points: convert.
+May import: errors, format, job, state, storage.
 """
 
 from unbroken.dcp._layout import latest

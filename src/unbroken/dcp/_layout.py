@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from unbroken.directory import Directory
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import (
+from unbroken.format.directory import Directory
+from unbroken.format.layout import (
     MANIFEST,
     Chunk,
     Manifest,

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import dtype_name, torch_dtype
+from unbroken.format.layout import dtype_name, torch_dtype
 
 Json = Any
 

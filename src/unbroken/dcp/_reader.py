@@ -13,13 +13,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from unbroken.bulk import building
 from unbroken.dcp._layout import DcpCheckpoint, Where, locate, open_checkpoint
 from unbroken.dcp._metadata import from_json
-from unbroken.directory import Directory
 from unbroken.errors import CheckpointError
-from unbroken.format import MANIFEST
-from unbroken.shards import read_many
+from unbroken.format.directory import Directory
+from unbroken.format.layout import MANIFEST
+from unbroken.format.shards import read_many
+from unbroken.job.gc_paused import building
 from unbroken.storage import open_storage
 
 # Stored chunks are read in batches of about this many bytes, then copied out: a load

@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from unbroken.bulk import building
 from unbroken.dcp._layout import (
     Stored,
     block_name,
@@ -25,10 +24,11 @@ from unbroken.dcp._layout import (
     stored_chunk,
 )
 from unbroken.dcp._metadata import to_json
-from unbroken.directory import Directory
 from unbroken.errors import CheckpointError
-from unbroken.format import dtype_name, step_dir
-from unbroken.shards import byte_view, write_blocks
+from unbroken.format.directory import Directory
+from unbroken.format.layout import dtype_name, step_dir
+from unbroken.format.shards import byte_view, write_blocks
+from unbroken.job.gc_paused import building
 from unbroken.storage import open_storage
 
 

@@ -4,6 +4,9 @@ resumed from its last checkpoint, with a bitwise comparison against an uninterru
 `run` drives the demo (``unbroken.demo.run.main``), `train` is one rank of the job and
 `model` holds the model and the corpus, which `unbroken.data` tokenises, memory-maps
 and reads in a resumable order.
+
+Entry points: run.
+May import: data, run, unbroken (the public API, as a training script uses it).
 """
 
 # Prefix of the machine-readable lines that train.py prints and run.py parses. It lives

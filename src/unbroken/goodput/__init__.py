@@ -1,6 +1,6 @@
-"""Goodput: where a training job's time went, and where it would go at scale.
+"""Goodput: where a training job's time went, and where it would go at scale. The run
+directory it reads is `unbroken.run.rundir`.
 
-    rundir    the run directory `unbroken run` keeps, and reading its event logs
     account   the arithmetic: every second of every rank given to one cause
     report    the printed report (and the strings the HTML shows)
     html      the one-file HTML report
@@ -9,6 +9,9 @@
     simulate  ``unbroken simulate``: goodput at cluster scale, discrete-event
 
 Event names and fields: docs/goodput.md.
+
+Entry points: account, costs, simulate, cli, simulate_cli.
+May import: policies, run.
 """
 
 from unbroken.goodput.account import Account, account

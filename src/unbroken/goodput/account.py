@@ -1,6 +1,6 @@
 """Goodput arithmetic: every second of a launch, on every rank, given to one cause.
 
-From a run directory's events (`unbroken.goodput.rundir.read`), each rank's time from
+From a run directory's events (`unbroken.run.rundir.read`), each rank's time from
 the launch to the end is cut into labelled intervals:
 
 * ``productive``: a step's span (from the previous step or event to its tick), for the

@@ -12,9 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-from unbroken.goodput import html, rundir
+from unbroken.goodput import html
 from unbroken.goodput.account import account
 from unbroken.goodput.report import text
+from unbroken.run import rundir
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

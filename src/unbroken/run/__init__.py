@@ -16,7 +16,8 @@ A training script started by ``unbroken run`` (or plain torchrun) calls:
   peer fails. It raises `InProcessError` where that cannot work. Under plain
   ``unbroken run`` or torchrun it initialises the group and calls ``train()`` once.
 
-The worker-side modules import torch only inside the calls that need it. The modules:
+The worker-side modules (contract, faults, worker) are what the library imports; they
+import torch only inside the calls that need it. The modules:
 
     contract    names shared by launcher and workers: environment, store keys, files
     faults      fault specs (--inject-fault)
@@ -34,6 +35,10 @@ The worker-side modules import torch only inside the calls that need it. The mod
     coordinator ``unbroken coordinator``: node slots, node loss, generations
     cli         main(argv) and the poll loop that drives either mode
     measure     how long process-group initialisation takes
+    rundir      the run directory `unbroken run` keeps, and reading its event logs
+
+Entry points: contract, faults, worker, inprocess, procs, rundir, timeline, cli, coordinator.
+May import: access, errors, job.
 """
 
 from unbroken.run.inprocess import InProcessError, in_process

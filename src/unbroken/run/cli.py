@@ -19,10 +19,10 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Protocol
 
-from unbroken.goodput.rundir import run_directory
 from unbroken.run import args
 from unbroken.run.args import RunOptions
 from unbroken.run.procs import kill_tree
+from unbroken.run.rundir import run_directory
 from unbroken.run.timeline import Timeline, say
 from unbroken.run.watch import Watch
 

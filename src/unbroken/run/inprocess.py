@@ -17,7 +17,7 @@ TCPStore that outlives every worker, with a *generation* counter in it. `in_proc
 connects to it, reads generation g, initialises the default process group (gloo) on the
 store prefix ``unbroken/gen-<g>`` and calls ``train()``. When a peer dies, the supervisor
 sets ``unbroken/abort-<g>``; a watcher thread here waits on that key and aborts the
-generation's process groups (`unbroken.abort`: their connections are shut down, so any
+generation's process groups (`unbroken.job.abort`: their connections are shut down, so any
 collective still waiting fails at once, here and on every peer, instead of at its
 timeout). A rank that sees a collective fail on a vanished peer before any abort reports
 it (``unbroken/suspect-<g>``): across nodes the coordinator then finds the lost node by
@@ -55,8 +55,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from unbroken import abort
 from unbroken.errors import PeerLostError
+from unbroken.job import abort
 from unbroken.run import contract, worker
 from unbroken.run.news import announce
 

@@ -366,7 +366,7 @@ class Supervisor:
 
     def abort(self, ranks: list[int]) -> None:
         """Tell the healthy ranks that the generation failed, first thing: their
-        collectives may be stuck on the dead ranks (see `unbroken.abort`)."""
+        collectives may be stuck on the dead ranks (see `unbroken.job.abort`)."""
         self.store.set(f"{contract.ABORT_KEY}-{self.generation}", json.dumps({"failed": ranks}))
 
     def give_up(self, why: str) -> None:

@@ -2,6 +2,9 @@
 
 Paths are ``str`` relative to the backend's root, with ``/`` separators: a URI is not a
 `pathlib.Path`. Every backend passes the same contract tests (tests/test_storage.py).
+
+Entry points: local.
+May import: access, errors, run.
 """
 
 from __future__ import annotations
@@ -45,10 +48,10 @@ class Storage(Protocol):
     # Optional, for backends whose reads arrive in buffers of their own:
     # ``read_scatter(path, parts)`` (S3) fills each ``(start, out)`` of ``parts`` in one
     # request (readers without it make one `read_into` per part:
-    # `unbroken.blockio.read_scatter`); ``read_range(path, offset, length) -> memoryview``
+    # `unbroken.format.blockio.read_scatter`); ``read_range(path, offset, length) -> memoryview``
     # (S3: the response's buffer; local files: their pages, mapped) hands over a range
     # without copying it, which a restore keeps until every rank has checked what it read
-    # (`unbroken.shards.read_held`) instead of backing up the state it overwrites.
+    # (`unbroken.format.shards.read_held`) instead of backing up the state it overwrites.
 
     def size(self, path: str) -> int:
         """Size in bytes; `FileNotFoundError` if ``path`` does not exist."""

@@ -6,7 +6,7 @@ machine, tens of ms to a cloud store. A request of ``s`` bytes on a connection t
 at least `SHARE` of that moving bytes once ``s >= SHARE / (1 - SHARE) * L * B``.
 `Pacing` measures ``L`` from small requests (a HEAD, a manifest's GET) and ``L + s / B``
 from large ones, and gives that size: the median over recent large requests. The reader
-that asks (`unbroken.coalesce.rules_for`) still bounds it by the part size, and cuts
+that asks (`unbroken.format.coalesce.rules_for`) still bounds it by the part size, and cuts
 smaller requests only where there would not otherwise be two for every connection.
 """
 

@@ -1,0 +1,86 @@
+"""What ``unbroken ls|show|verify --json`` print: one JSON object each, for scripts.
+
+The keys are part of the command line's contract (listed in the README's command-line
+section): add keys if needed, never rename or remove one. Sizes are in bytes, times in
+seconds since the epoch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from unbroken.format.directory import Directory
+from unbroken.format.layout import Manifest
+from unbroken.format.offline import Damage
+from unbroken.state import leaves
+
+
+def dump(obj: dict[str, Any]) -> None:
+    # default=repr: a non-tensor value JSON cannot hold is shown as Python writes it.
+    print(json.dumps(obj, indent=2, default=repr))
+
+
+def checkpoint(m: Manifest) -> dict[str, Any]:
+    return {
+        "step": m.step,
+        "nbytes": m.nbytes,
+        "tensors": len(m.tensors),
+        "ranks": m.world_size,
+        "created": m.created,
+    }
+
+
+def ls(
+    path: str, directory: Directory, steps: list[int], subfolders: dict[str, Directory]
+) -> dict[str, Any]:
+    """``checkpoints`` of ``path`` itself; where it has none, ``subfolders`` lists the
+    folders directly under it that do, each as ``{"path", "checkpoints"}``."""
+    return {
+        "path": path,
+        "checkpoints": [checkpoint(directory.manifest(s)) for s in steps],
+        "subfolders": [
+            {"path": sub, "checkpoints": [checkpoint(d.manifest(s)) for s in d.steps()]}
+            for sub, d in subfolders.items()
+        ],
+    }
+
+
+def show(path: str, m: Manifest) -> dict[str, Any]:
+    return {
+        "path": path,
+        **checkpoint(m),
+        "files": len(m.files),
+        "format_version": m.version,
+        "tensor_list": [
+            {
+                "name": key,
+                "dtype": entry.dtype,
+                "shape": list(entry.shape),
+                "blocks": len(entry.chunks),
+                "nbytes": sum(c.nbytes for c in entry.chunks),
+            }
+            for key, entry in m.tensors.items()
+        ],
+        "state": dict(leaves(m.objects_for(0))),
+        "state_versions": len(m.objects),
+    }
+
+
+def verify(path: str, results: Sequence[tuple[Manifest, list[Damage]]]) -> dict[str, Any]:
+    return {
+        "path": path,
+        "ok": not any(damage for _, damage in results),
+        "steps": [
+            {
+                "step": m.step,
+                "ok": not damage,
+                "nbytes": sum(c.nbytes for e in m.tensors.values() for c in e.chunks),
+                "damage": [
+                    {"file": d.file, "tensor": d.tensor, "problem": d.problem} for d in damage
+                ],
+            }
+            for m, damage in results
+        ],
+    }

@@ -1,0 +1,289 @@
+"""Healing from live replicas: after a failure, the healthy ranks keep their live state
+and a replacement gets it from them, losing at most the step in flight.
+
+A rank is *live at step L* if its process survived, its newest per-step record
+(`unbroken.healing.records`) is of step L, and its modules and optimizers still match that
+record's fingerprint (nothing moved them past L). A rank with no record is *lost* (a
+replacement). Healing happens when, at restore:
+
+- every live rank is live at the same step L, and its state is replicated: data-parallel
+  (every module entry wrapped by DDP: each rank holds the whole model), or DTensors
+  with a replicated mesh dimension (HSDP, FSDP2 on a replicate x shard mesh: the ranks
+  holding the same shard in the other replica groups are its replicas, `unbroken.healing.peers`);
+- every lost rank's record of L is held by a peer, and a live rank holds its replica;
+- the live replicas of each state (of each shard) are bitwise the same (full checksums;
+  a difference is reported as silent data corruption and healing is refused).
+
+Then, with every check passed on every rank before anything changes: each lost rank
+receives the module and optimizer tensors (a DTensor's local part) from one live
+replica (lost ranks spread over them), point to point on the checkpointer's group,
+straight into its tensors, each checked on arrival, and its record from the peer that
+holds it; every rank loads
+its record's per-rank entries (a live rank's own record: idempotent for objects that
+survived, a repair for ones built anew). Anything else (ranks at different steps, a
+record missing, a pure FSDP shard, every replica of a shard lost) returns None, and the
+snapshot path (`unbroken.restoring.pipeline`) runs instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from unbroken.errors import CheckpointError
+from unbroken.format.layout import checksum, dtype_name, torch_dtype, verify_block
+from unbroken.format.shards import byte_view
+from unbroken.healing import records
+from unbroken.healing.peers import local, shard_peers, sharded
+from unbroken.healing.records import Record
+from unbroken.job.comm import Comm
+from unbroken.restoring.pipeline import _init_state
+from unbroken.restoring.sources import Origin, Restored
+from unbroken.run import faults
+from unbroken.state import capture, decode, is_stateful
+
+log = logging.getLogger("unbroken")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Heal at ``step``: each lost rank gets its tensors from ``source[lost]`` and its
+    record from ``holder[lost]``."""
+
+    step: int
+    source: dict[int, int]
+    holder: dict[int, int]
+
+
+def plan(table: list[dict[str, Any]]) -> Plan | None:
+    """Pure: the plan for the gathered ``{"live": step or None, "held": {owner: steps},
+    "peers": ranks holding the same replicated state, or None for any}`` of every rank,
+    or None if healing cannot be exact. A lost rank's source is a live rank each of the
+    two counts as a peer (under HSDP: the same shard, in another replica group)."""
+    live = [r for r, row in enumerate(table) if row["live"] is not None]
+    steps = {table[r]["live"] for r in live}
+    if not live or len(steps) != 1:
+        return None
+    (step,) = steps
+    lost = [r for r in range(len(table)) if r not in live]
+    holder, source = {}, {}
+    for i, r in enumerate(lost):
+        holders = [q for q in live if step in table[q]["held"].get(str(r), [])]
+        sources = [q for q in live if _peers(table, r, q)]
+        if not holders or not sources:
+            log.info(
+                "rank %d cannot be healed at step %d: %s", r, step,
+                "no live rank holds its step record" if not holders
+                else "no live rank holds a replica of its state",
+            )  # fmt: skip
+            return None
+        holder[r], source[r] = holders[0], sources[i % len(sources)]
+    return Plan(step, source, holder)
+
+
+def _peers(table: list[dict[str, Any]], a: int, b: int) -> bool:
+    of_a, of_b = table[a].get("peers"), table[b].get("peers")
+    return (of_a is None or b in of_a) and (of_b is None or a in of_b)
+
+
+def heal(comm: Comm, job: str, state: MutableMapping[str, Any]) -> tuple[Restored, Record] | None:
+    """Heal ``state`` from live replicas, or None (nothing changed) where it cannot.
+    Collective. Returns what was restored and the record this rank loaded."""
+    mine = records.own(job, comm.rank)
+    peers = shard_peers(comm, state)
+    replicas = mine is not None and (
+        bool(mine.header.get("data_parallel")) if peers is None else len(peers) > 1
+    )
+    live = None
+    if replicas and mine is not None and records.fingerprint(state) == mine.header["fingerprint"]:
+        live = mine.step
+    held = {str(o): sorted(s) for o, s in records.held(job).items()}
+    chosen = plan(comm.all_gather({"live": live, "held": held, "peers": peers}))
+    if chosen is None:
+        return None
+    meta = _meta(state) if comm.rank not in chosen.source else None
+    # Live replicas of the same state (under HSDP: the same shard) must agree bitwise.
+    digests = comm.all_gather(None if meta is None else [meta["digest"], peers])
+    groups: dict[str, set[str]] = {}
+    for d in digests:
+        if d is not None:
+            groups.setdefault(json.dumps(d[1]), set()).add(d[0])
+    if any(len(g) > 1 for g in groups.values()):
+        log.warning(
+            "replicas differ at step %d (digests by rank %s): silent data corruption? "
+            "Not healing from them", chosen.step, digests,
+        )  # fmt: skip
+        return None
+    record, meta = _messages(comm, job, chosen, meta)
+    if record is None:
+        assert mine is not None
+        record = mine
+    targets = comm.together(
+        f"checking the heal of step {chosen.step}",
+        lambda: _targets(state, meta, record) if comm.rank in chosen.source else {},
+    )
+    faults.point("heal")
+    comm.together(f"healing step {chosen.step}", lambda: _receive(comm, chosen, state, targets))
+    comm.together(f"loading healed step {chosen.step}", lambda: _load(state, meta, record, targets))
+    origins = tuple(
+        Origin("live", chosen.step, chosen.source.get(r)) for r in range(comm.world_size)
+    )
+    log.info("healed step %d from live replicas: ranks %s", chosen.step, sorted(chosen.source))
+    return Restored(step=chosen.step, origins=origins, rank=comm.rank), record
+
+
+def _meta(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What a live rank tells a lost one about the replicated entries: their JSON tree,
+    each tensor's dtype, shape and checksum, and a digest of it all."""
+    tensors, tree = capture({k: v for k, v in state.items() if records.replicated(v)})
+    table = []
+    for key in sorted(tensors):
+        t = local(tensors[key])
+        cpu = t if t.device.type == "cpu" and t.is_contiguous() else t.cpu().contiguous()
+        table.append([key, dtype_name(t.dtype), list(t.shape), checksum(byte_view(cpu))])
+    digest = checksum(memoryview(json.dumps(table).encode()))
+    return {"tree": tree, "tensors": table, "digest": digest}
+
+
+def _messages(
+    comm: Comm, job: str, chosen: Plan, meta: dict[str, Any] | None
+) -> tuple[Record | None, dict[str, Any]]:
+    """Each lost rank receives its record from its holder and the replicated entries'
+    description from its source. Returns them (None, {} on a live rank)."""
+    held = records.held(job)
+    send: dict[int, list[bytes]] = {}
+    for lost in sorted(chosen.source):
+        if chosen.holder[lost] == comm.rank:
+            send.setdefault(lost, []).append(held[lost][chosen.step])
+        if chosen.source[lost] == comm.rank:
+            assert meta is not None
+            send.setdefault(lost, []).append(json.dumps(meta).encode())
+    # One message per pair: holder and source may be the same rank.
+    framed = {p: _frame(parts) for p, parts in send.items()}
+    senders = []
+    if comm.rank in chosen.source:
+        senders = sorted({chosen.holder[comm.rank], chosen.source[comm.rank]})
+    got = records.exchange(comm, framed, senders)
+    if comm.rank not in chosen.source:
+        return None, {}
+    parts = {p: _unframe(got[p]) for p in senders}
+    holder, source = chosen.holder[comm.rank], chosen.source[comm.rank]
+    record = Record.decode(parts[holder].pop(0), f"rank {holder}")
+    meta_in = json.loads(parts[source].pop(0))
+    if record.rank != comm.rank or record.step != chosen.step:
+        raise CheckpointError(
+            f"rank {holder} sent the step record of rank {record.rank}, step {record.step}; "
+            f"expected rank {comm.rank}, step {chosen.step}"
+        )
+    return record, meta_in
+
+
+def _frame(parts: list[bytes]) -> bytes:
+    return b"".join(len(p).to_bytes(8, "little") + p for p in parts)
+
+
+def _unframe(data: bytes) -> list[bytes]:
+    parts, at = [], 0
+    while at < len(data):
+        n = int.from_bytes(data[at : at + 8], "little")
+        parts.append(data[at + 8 : at + 8 + n])
+        at += 8 + n
+    return parts
+
+
+def _targets(
+    state: Mapping[str, Any], meta: dict[str, Any], record: Record
+) -> dict[str, torch.Tensor]:
+    """On a lost rank: where each replicated tensor lands (the live tensor where it can,
+    else a new one), once the source's entries match this rank's state exactly."""
+    names = {k for k, v in state.items() if records.replicated(v)}
+    if set(meta["tree"]) != names or not set(record.header["tree"]) <= set(state):
+        raise CheckpointError(
+            f"the live replica holds entries {sorted(meta['tree'])} and the step record "
+            f"{sorted(record.header['tree'])}; this rank's state has {sorted(state)}"
+        )
+    if sharded(state):  # a fresh optimizer's DTensor state exists to receive into
+        for name in sorted(names):
+            if isinstance(state[name], Optimizer):
+                _init_state(state[name])
+    current, _ = capture({k: state[k] for k in names})
+    targets = {}
+    for key, dtype, shape, _ in meta["tensors"]:
+        t = None if key not in current else local(current[key])
+        wanted = torch_dtype(dtype, f"live replica: {key}")
+        if t is not None and list(t.shape) != shape:
+            raise CheckpointError(
+                f"tensor {key!r} has (local) shape {shape} on the live replica but "
+                f"{list(t.shape)} here; build the model with the same configuration and mesh"
+            )
+        if t is not None and t.device.type == "cpu" and t.is_contiguous() and t.dtype == wanted:
+            targets[key] = t
+        elif isinstance(current.get(key), DTensor):
+            raise CheckpointError(
+                f"the local part of DTensor {key!r} is not a contiguous CPU {dtype} tensor "
+                "here: it cannot receive its replica in place"
+            )
+        else:
+            targets[key] = torch.empty(shape, dtype=wanted)
+    return targets
+
+
+def _receive(
+    comm: Comm, chosen: Plan, state: Mapping[str, Any], targets: dict[str, torch.Tensor]
+) -> None:
+    """Live sources send their replicated tensors to the lost ranks they serve; lost
+    ranks receive them into ``targets``. Keys in sorted order on both ends."""
+    ops = []
+    serves = sorted(r for r, s in chosen.source.items() if s == comm.rank)
+    if serves:
+        tensors, _ = capture({k: v for k, v in state.items() if records.replicated(v)})
+        for key in sorted(tensors):
+            t = local(tensors[key])
+            t = t if t.device.type == "cpu" and t.is_contiguous() else t.cpu().contiguous()
+            for lost in serves:
+                ops.append(comm.p2p(dist.isend, t, lost))
+    if comm.rank in chosen.source:
+        for key in sorted(targets):
+            ops.append(comm.p2p(dist.irecv, targets[key], chosen.source[comm.rank]))
+    comm.start(ops).wait()
+
+
+def _load(
+    state: MutableMapping[str, Any],
+    meta: dict[str, Any],
+    record: Record,
+    targets: dict[str, torch.Tensor],
+) -> None:
+    """Check what arrived, then hand every entry its state: the replicated ones (lost
+    ranks only) and this rank's record."""
+    for key, _, _, xxh3 in meta.get("tensors", []):
+        verify_block(byte_view(targets[key]), xxh3, f"live replica: tensor {key!r}", " on arrival")
+    # A DTensor received its local part in place: the entry is loaded with the DTensor.
+    current, _ = capture({k: state[k] for k in meta.get("tree", {})})
+    landed = {k: v for k, v in current.items() if isinstance(v, DTensor)}
+    for name, encoded in meta.get("tree", {}).items():
+        _hand(state, name, decode(encoded, {**targets, **landed}))
+    tensors = record.tensors()
+    for name, encoded in record.header["tree"].items():
+        if name in state:
+            _hand(state, name, decode(encoded, tensors))
+
+
+def _hand(state: MutableMapping[str, Any], name: str, value: Any) -> None:
+    target = state[name]
+    if isinstance(target, nn.Module) or is_stateful(target):
+        target.load_state_dict(value)
+    elif isinstance(target, torch.Tensor):
+        with torch.no_grad():
+            target.copy_(value)
+    else:
+        state[name] = value

@@ -1,0 +1,248 @@
+"""The checkpointer's view of the job: its rank, the world size, and JSON collectives.
+
+Checkpoint coordination runs on a process group of its own (gloo, host memory), so it
+never interleaves with the training loop's collectives, whatever backend those use.
+Messages are JSON, not pickles: nothing received from another process executes code.
+
+The group connects lazily (gloo's ``TORCH_GLOO_LAZY_INIT``): a pair of ranks connects
+when it first exchanges data. An eager gloo group connects the full mesh at creation,
+every rank reading every other's address from the store: O(world²) store requests.
+The checkpointer's group needs only its collectives' neighbours (rings, trees) and its
+replica partners: O(world) requests in all (docs/scaling.md). Under in-process recovery
+the group stays eager: `unbroken.job.abort` finds a group's sockets as the group is created,
+and must, to wake collectives stuck on a failed peer.
+
+Once a collective or transfer fails because a peer is gone, the group is not used again
+(`Comm.wire`): a rank that issues its next collective while a peer is still inside an
+earlier one can pair two different operations, and gloo ends the process (std::terminate
+on "Received data size doesn't match expected size") instead of raising.
+
+No gloo thread ever runs Python for the checkpointer's operations (`lent`). One that
+drops a tensor's second reference must take the GIL, and creates a Python thread state
+to do so: a fork at that instant (a DataLoader starting its workers, right after a
+restore or beside a background save) copies CPython's lock on the thread list held, and
+the child hangs before it runs a line (CPython before 3.11.10: gh-112275). Right after a
+collective returned, gloo still held one of its tensors about a third of the time
+(measured, 2 ranks on 2 cores); the demo's resumed run hung about once in 20.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from unbroken.errors import CheckpointError, PeerLostError
+from unbroken.job import abort
+from unbroken.job.gc_paused import building
+
+T = TypeVar("T")
+
+# How gloo and torch's store say that the other end of a connection is gone.
+_GONE = ("connection closed", "connection reset", "broken pipe", "read error", "write error")
+_LET_GO_S = 1.0  # gloo lets go microseconds after an operation ends; past this, give up
+
+
+class Comm:
+    lost: str | None = None  # how a peer was lost, once one was: no collective after that
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout: timedelta) -> None:
+        self.group: dist.ProcessGroup | None = None
+        self.rank, self.world_size = 0, 1
+        if dist.is_available() and dist.is_initialized():
+            # new_group is collective: every rank constructs its Checkpointer together.
+            with abort.tracking(), _lazy(abort.poll_s() is None):
+                self.group = dist.new_group(
+                    ranks=None if group is None else dist.get_process_group_ranks(group),
+                    backend="gloo",
+                    timeout=timeout,
+                )
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+
+    @contextlib.contextmanager
+    def wire(self) -> Iterator[None]:
+        """Around work on the group: refuse it once a peer was lost, and note a loss."""
+        if self.lost is not None:
+            raise PeerLostError(
+                f"the checkpointer's process group lost a peer earlier ({self.lost[:200]}); "
+                "it is not used again: restart the job, or let in-process recovery do it"
+            )
+        try:
+            yield
+        except Exception as e:
+            if lost_peer(e):
+                self.lost = str(e)
+            raise
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.group is None:
+            return [obj]
+        data = json.dumps(obj).encode()
+        size = torch.tensor([len(data)])
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        with self.wire(), lent(size, *sizes):
+            dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        with self.wire(), lent(mine, *out):
+            dist.all_gather(out, mine, group=self.group)
+        with building():  # a save's rows: every rank's blocks
+            return [
+                json.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)
+            ]
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.group is None:
+            return obj
+        data = json.dumps(obj).encode() if self.rank == 0 else b""
+        size = torch.tensor([len(data)])
+        with self.wire(), lent(size):
+            dist.broadcast(size, group=self.group, group_src=0)
+        buf = torch.empty(int(size), dtype=torch.uint8)
+        if self.rank == 0:
+            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        with self.wire(), lent(buf):
+            dist.broadcast(buf, group=self.group, group_src=0)
+        return json.loads(buf.numpy().tobytes())
+
+    def broadcast_bytes(self, data: memoryview, src: int) -> None:
+        """Fill ``data`` on every rank with its contents on rank ``src``."""
+        if self.group is not None:
+            tensor = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
+            with self.wire(), lent(tensor):
+                dist.broadcast(tensor, group=self.group, group_src=src)
+
+    def all_reduce_max(self, values: torch.Tensor) -> None:
+        """Every rank's ``values`` become the elementwise maximum over the ranks."""
+        if self.group is not None:
+            with self.wire(), lent(values):
+                dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+
+    def p2p(self, kind: object, tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.P2POp:
+        """A send (``dist.isend``) or receive (``dist.irecv``) of ``tensor`` with ``peer``,
+        for `start`."""
+        return dist.P2POp(kind, tensor, group=self.group, tag=tag, group_peer=peer)  # type: ignore[arg-type]
+
+    def start(self, ops: Sequence[dist.P2POp]) -> Transfers:
+        """Start ``ops`` together (no order between pairs to deadlock on)."""
+        return Transfers(ops)
+
+    def together(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank; if it fails on any rank, raise on every rank.
+
+        A rank that fails still takes part in the exchange, so the others learn of the
+        failure instead of waiting for a collective that never comes; unless ``fn`` lost a
+        peer: then the exchange could only fail, or meet a peer still inside ``fn``."""
+        return self._exchange(what, fn, share=False)[0]
+
+    def gathered(self, what: str, fn: Callable[[], T]) -> list[T]:
+        """`together`, returning every rank's result (JSON) in rank order: one exchange
+        where `together` and `all_gather` would take two."""
+        return self._exchange(what, fn, share=True)[1]
+
+    def _exchange(self, what: str, fn: Callable[[], T], share: bool) -> tuple[T, list[T]]:
+        error: BaseException | None = None
+        try:
+            with self.wire():
+                result = fn()
+        except Exception as e:
+            error = e
+            if self.lost is not None:
+                raise
+        shared = result if share and error is None else None
+        rows = self.all_gather([None if error is None else str(error), shared])
+        if error is not None:
+            raise error
+        if failures := [f"rank {r}: {e}" for r, (e, _) in enumerate(rows) if e is not None]:
+            raise CheckpointError(f"{what} failed on another rank: {'; '.join(failures)}")
+        return result, [row[1] for row in rows]
+
+    def close(self) -> None:
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+class Transfers:
+    """Point-to-point transfers under way; `wait` returns once all are done and gloo has
+    let go of their tensors."""
+
+    def __init__(self, ops: Sequence[dist.P2POp]) -> None:
+        self._kept = _Kept([op.tensor for op in ops])
+        self._works = list(dist.batch_isend_irecv(list(ops))) if ops else []
+
+    def wait(self) -> None:
+        while self._works:  # each dropped once done: a gloo Work holds its tensors
+            self._works.pop(0).wait()
+        self._kept.release()
+
+
+@contextlib.contextmanager
+def lent(*tensors: torch.Tensor) -> Iterator[None]:
+    """Around a gloo operation on ``tensors``: gloo's threads never take the GIL for
+    them, and none holds them once the block is left (the module's docstring says why)."""
+    kept = _Kept(tensors)
+    yield
+    kept.release()
+
+
+class _Kept:
+    """An extra reference to each tensor (a view holds its base), from before gloo takes
+    its own until after gloo dropped them. torch takes the GIL where a tensor's count of
+    C++ references moves between one and two (its Python object is kept alive by the
+    second): with this one, gloo's never do, so gloo's threads never touch Python."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._views = [t.view(t.shape) for t in tensors]
+        self._tensors = tensors
+        self._counts = [t._use_count() for t in tensors]  # type: ignore[attr-defined]
+
+    def release(self) -> None:
+        deadline = time.monotonic() + _LET_GO_S
+        while any(t._use_count() > n for t, n in zip(self._tensors, self._counts, strict=True)):  # type: ignore[attr-defined]
+            if time.monotonic() > deadline:
+                break  # something else took a reference meanwhile: nothing to wait for
+            time.sleep(0.0001)
+        self._views.clear()  # on this thread, which holds the GIL
+
+
+@contextlib.contextmanager
+def _lazy(on: bool) -> Iterator[None]:
+    """gloo groups created inside connect lazily if ``on`` (read at group creation)."""
+    key = "TORCH_GLOO_LAZY_INIT"
+    before = os.environ.get(key)
+    if on:
+        os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error``, or what caused it, says a connection to a peer is gone (or
+    that the generation was aborted because a peer failed)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e).lower()
+        if isinstance(e, dist.DistNetworkError | PeerLostError) or any(w in text for w in _GONE):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

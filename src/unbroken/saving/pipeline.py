@@ -1,0 +1,326 @@
+"""The save pipeline: capture and stage in the caller's thread, persist in the background.
+
+Persisting is collective. Its phases, each ending with every rank agreeing:
+
+1. agree on the step (or on skipping it) and on every rank's blocks, then hash the blocks
+   another rank holds too (the plan writes a replicated block once, by checksum);
+2. write: each rank writes the blocks the plan gives it and makes them durable, hashing
+   those it alone holds meanwhile (`unbroken.saving.checksums`);
+3. commit: rank 0 writes the manifest atomically. Only now does the step exist.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from unbroken.errors import CheckpointError, StorageError
+from unbroken.format.blockio import run_all
+from unbroken.format.directory import Directory
+from unbroken.format.layout import Manifest, step_dir
+from unbroken.format.shards import local_block, write_blocks
+from unbroken.format.write_plan import Block, WritePlan, make_plan
+from unbroken.job.comm import Comm
+from unbroken.job.gc_paused import building
+from unbroken.retention import Info
+from unbroken.run import faults, worker
+from unbroken.saving import claims
+from unbroken.saving.checksums import Sums, checksums, layout, shared, with_checksums
+from unbroken.saving.committed import INFO, Collector
+from unbroken.saving.staging import Arena
+from unbroken.sdc import Replicated, guard
+from unbroken.state import capture
+
+log = logging.getLogger("unbroken")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveContext:
+    """What persisting a save needs: the checkpointer's group, the directory it writes,
+    its writer threads per rank, rank 0's index of committed steps (which also applies
+    retention)."""
+
+    comm: Comm
+    directory: Directory
+    io_threads: int
+    collector: Collector
+    job: str = ""  # names this job's claims on the steps it saves (`unbroken.saving.claims`)
+    replicated: Replicated | None = None  # see `unbroken.sdc`
+
+
+@dataclass(kw_only=True)
+class Staged:
+    """One save, captured: the blocks to write (live tensors, or copies in an arena)."""
+
+    step: int
+    keys: list[str]
+    blocks: list[torch.Tensor]  # contiguous, on the CPU once ``ready`` has completed
+    offsets: list[tuple[int, ...]]
+    shapes: list[tuple[int, ...]]  # global shapes
+    tree: dict[str, Any]
+    aliases: dict[str, str] = field(default_factory=dict)  # key -> key sharing its storage
+    arena: Arena | None = None
+    ready: torch.cuda.Event | None = None
+    skipped: bool = False
+    error: str | None = None  # staging failed on this rank
+    metric: float | None = None  # for retention (`KeepBest`); rank 0's counts
+    rollback_from: int | None = None  # the step restored before, if it may roll back to it
+
+
+def stage(step: int, state: Mapping[str, Any], arena: Arena | None) -> Staged:
+    """Capture ``state``; with an ``arena``, copy its tensors there so the caller may change
+    them as soon as this returns. Without one, the blocks are the live (CPU) tensors."""
+    tensors, tree = capture(state)
+    faults.point("stage")
+    keys, blocks, offsets, shapes = [], [], [], []
+    aliases: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    for key, t in tensors.items():
+        local, where = local_block(t)
+        if local.numel():  # tied tensors (one storage, two keys) are stored once
+            ident = (local.data_ptr(), local.dtype, tuple(local.shape), where, tuple(t.shape))
+            if ident in first:
+                aliases[key] = first[ident]
+            else:
+                first[ident] = key
+        if arena is None and local.is_cuda:
+            local = local.cpu()
+        keys.append(key)
+        blocks.append(local)
+        offsets.append(where)
+        shapes.append(tuple(t.shape))
+    ready = None
+    if arena is not None:
+        blocks, ready = arena.stage(blocks)
+    return Staged(
+        step=step, keys=keys, blocks=blocks, offsets=offsets, shapes=shapes, tree=tree,
+        aliases=aliases, arena=arena, ready=ready,
+    )  # fmt: skip
+
+
+def skipped(step: int) -> Staged:
+    """A save this rank skips: it still takes part in the exchange, so every rank skips."""
+    return Staged(step=step, keys=[], blocks=[], offsets=[], shapes=[], tree={}, skipped=True)
+
+
+def failed(step: int, error: BaseException) -> Staged:
+    """A save this rank could not stage: it takes part in the exchange, failing it."""
+    return Staged(step=step, keys=[], blocks=[], offsets=[], shapes=[], tree={}, error=str(error))
+
+
+def persist(ctx: SaveContext, staged: Staged) -> bool:
+    """Write and commit ``staged``; False if some rank skipped this step. If writing or
+    committing fails, rank 0 removes what the ranks wrote (every rank has stopped by
+    then: each stage ends with all of them agreeing), unless the step got committed."""
+    writing: list[bool] = []
+    try:
+        return _persist(ctx, staged, writing)
+    except BaseException:
+        if writing and ctx.comm.rank == 0:
+            _remove_failed(ctx, staged.step)
+        raise
+
+
+def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
+    started = time.perf_counter()
+    comm, step = ctx.comm, staged.step
+    what = f"saving step {step}"
+    rows = comm.gathered(what, lambda: explained(ctx, what, lambda: _layout(staged)))
+    if skippers := [rank for rank, row in enumerate(rows) if row[1]]:
+        if comm.rank == 0:
+            log.warning(
+                "step %d skipped: the previous save was still persisting on ranks %s",
+                step,
+                skippers,
+            )
+        return False
+    steps = [row[0] for row in rows]
+    if len(set(steps)) > 1:
+        raise CheckpointError(
+            f"ranks disagree on the step to save: {dict(enumerate(steps))}; "
+            "every rank must call save() with the same step"
+        )
+    with building():  # every rank's blocks: tens of thousands at scale
+        by_rank = [[Block.from_json(b) for b in row[2]] for row in rows]
+        early = shared(by_rank[comm.rank], by_rank)
+    sums = comm.gathered(what, lambda: explained(ctx, what, lambda: _hash(ctx, staged, early)))
+    with building():
+        plan = make_plan(by_rank := with_checksums(by_rank, sums))
+    writing.append(True)
+    guard(ctx.replicated, comm.rank, ctx.directory.storage, step, by_rank)
+    info = Info(step, time.time(), staged.metric)
+    gathered = comm.gathered(
+        f"writing step {step}",
+        lambda: explained(
+            ctx, f"writing step {step}", lambda: _write(ctx, staged, plan, sums[comm.rank], info)
+        ),
+    )
+    faults.point("data-written")
+    comm.together(
+        f"committing step {step}",
+        lambda: explained(
+            ctx, f"committing step {step}", lambda: _commit(ctx, info, plan, gathered)
+        ),
+    )
+    faults.point("committed")
+    if comm.rank == 0:
+        ctx.collector.committed(info)  # retention runs on the collector's thread
+        try:
+            ctx.directory.move_latest(step)
+        except Exception as e:  # the step is committed; restore finds it by listing
+            log.warning("step %d is committed but the latest pointer did not move: %s", step, e)
+        written = sum(size for row in gathered for size in row[1].values())
+        seconds = time.perf_counter() - started
+        log.info("saved step %d: %.1f MiB in %.2f s", step, written / 2**20, seconds)
+    return True
+
+
+# What to do about the storage errors a save meets most (tests/test_exhaustion.py).
+_ADVICE = {
+    errno.ENOSPC: "the file system is full: free space, or keep fewer checkpoints (keep=)",
+    errno.EDQUOT: "the disk quota is exceeded: free space, or keep fewer checkpoints (keep=)",
+    errno.EACCES: "this process may not write there: check the owner and mode of the path",
+    errno.EPERM: "this process may not write there: check the owner and mode of the path",
+    errno.EROFS: "the file system is read-only: save somewhere writable",
+}
+
+
+def explained(ctx: SaveContext, what: str, fn: Callable[[], T]) -> T:
+    """``fn()``, an `OSError` turned into a `StorageError` that names the checkpoint, the
+    step and the rank, and says what to do (the other ranks see this message)."""
+    try:
+        return fn()
+    except OSError as e:
+        if isinstance(e, StorageError):
+            raise
+        where = f", {e.filename}" if e.filename else ""
+        advice = _ADVICE.get(e.errno or 0, "see the cause below")
+        text = f"{e.strerror or e} ({ctx.directory.path}: {what} on rank {ctx.comm.rank}{where})"
+        args = (e.errno, f"{text}; {advice}") if e.errno else (f"{text}; {advice}",)
+        raise StorageError(*args) from e
+
+
+def _remove_failed(ctx: SaveContext, step: int) -> None:
+    """Remove what a failed save of ``step`` wrote, unless another writer claimed the
+    step meanwhile: its folder is that writer's now."""
+    try:
+        if ctx.directory.is_committed(step):
+            ctx.collector.committed(Info(step, time.time()))
+        elif (held := claims.read(ctx.directory.storage, step_dir(step))) and not held.ours():
+            log.warning("the failed save of step %d leaves its folder to %s", step, held)
+        else:
+            ctx.directory.storage.delete(step_dir(step))
+    except Exception as e:  # the next Checkpointer to open removes it
+        log.warning("could not remove what the failed save of step %d wrote: %s", step, e)
+
+
+def _layout(staged: Staged) -> list[Any]:
+    """What this rank saves, for the plan: the step, whether it skips it, its blocks."""
+    if staged.error is not None:
+        raise CheckpointError(staged.error)
+    return [staged.step, staged.skipped, [b.to_json() for b in layout(staged)]]
+
+
+def _hash(ctx: SaveContext, staged: Staged, keys: list[str]) -> Sums:
+    """The checksums of ``keys`` (the blocks other ranks hold too), once the staged copies
+    have landed; on rank 0, beside them, clearing the way for the step (`_clear`)."""
+    if staged.ready is not None:
+        staged.ready.synchronize()
+    clear = (lambda: _clear(ctx, staged.step, staged.rollback_from)) if ctx.comm.rank == 0 else None
+    return checksums(staged, keys, ctx.io_threads, clear)
+
+
+def _write(
+    ctx: SaveContext, staged: Staged, plan: WritePlan, hashed: Sums, info: Info
+) -> list[Any]:
+    """Write this rank's blocks of the plan; meanwhile hash those not ``hashed`` yet (the
+    blocks this rank alone holds) and, on rank 0, write the step's info. Returns where
+    the blocks went, the files' sizes, this rank's tree and the late checksums."""
+    rank, storage, folder = ctx.comm.rank, ctx.directory.storage, step_dir(info.step)
+    mine = set(plan.writes[rank])
+    blocks = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
+    later = [k for k, _ in blocks if k not in hashed]
+    text = json.dumps({"created": info.created, "metric": info.metric}).encode()
+    out: dict[str, Any] = {}
+    jobs: list[Callable[[], object]] = [  # side by side on the process's IO workers
+        lambda: out.update(where=write_blocks(storage, folder, rank, blocks, ctx.io_threads)),
+        lambda: out.update(sums=checksums(staged, later, ctx.io_threads)),
+    ]
+    if rank == 0:
+        jobs.append(lambda: storage.write(f"{folder}/{INFO}", [text]))
+    run_all(lambda job: job(), jobs, len(jobs))
+    return [*out["where"], staged.tree, out["sums"]]
+
+
+def _commit(ctx: SaveContext, info: Info, plan: WritePlan, gathered: list[Any]) -> None:
+    """On rank 0, once the step's claim is found still ours: the manifest, from the plan
+    and where every rank wrote its blocks and their late checksums."""
+    if ctx.comm.rank != 0:
+        return
+    step = info.step
+    claims.verify(ctx.directory.storage, ctx.directory.path, step)
+    files: dict[str, int] = {}
+    trees: list[dict[str, Any]] = []
+    rank_objects: list[int] = []
+    for rank, (where, rank_sizes, rank_tree, sums) in enumerate(gathered):
+        files.update(rank_sizes)
+        for key, (file, start, end) in where.items():
+            chunk = plan.chunk_of[rank, key]
+            chunk.file, chunk.start, chunk.end = file, start, end
+            for name, value in sums.get(key, {}).items():  # hashed while it was written
+                setattr(chunk, name, value)  # `format.Checksums`' fields are `Chunk`'s
+        if rank_tree not in trees:
+            trees.append(rank_tree)
+        rank_objects.append(trees.index(rank_tree))
+    manifest = Manifest(
+        step=step,
+        world_size=ctx.comm.world_size,
+        created=info.created,
+        tensors=plan.tensors,
+        objects=trees,
+        rank_objects=rank_objects,
+        files=files,
+    )
+    ctx.directory.commit(manifest)
+
+
+def _clear(ctx: SaveContext, step: int, base: int | None) -> None:
+    """Before saving ``step``, on rank 0, from the index (no listing): refuse to replace a
+    committed step, or to save below the newest committed one, unless this job restored
+    an older step on purpose (``base``): the steps above that one are then an
+    abandoned future, retired here, newest first (see the README, "Steps that go
+    backwards"). Nobody can be writing them: saves are persisted one at a time."""
+    known = ctx.collector.known()
+    if base is not None and (abandoned := [s for s in known if s > base]):
+        log.warning(
+            "%s: saving step %d after restoring step %d: retiring the steps of the "
+            "abandoned run above it: %s", ctx.directory, step, base, abandoned,
+        )  # fmt: skip
+        worker.event("rollback", step=step, restored=base, retired=abandoned)
+        for old in reversed(abandoned):
+            ctx.directory.delete(old)
+            ctx.collector.forget(old)
+        known = [s for s in known if s <= base]
+    where = ctx.directory.path
+    if step in known or ctx.directory.is_committed(step):  # one request: another writer
+        raise CheckpointError(
+            f"{where}: step {step} is already committed; save under a new step, "
+            f"or delete {step_dir(step)} first"
+        )
+    if known and step < known[-1]:
+        raise CheckpointError(
+            f"{where}: step {step} is below the newest committed step {known[-1]}; a job "
+            f"that rolls back restores the step it goes back to first (restore(state, "
+            f"step=...)), and its next save then retires the steps above it"
+        )
+    claims.stake(ctx.directory.storage, where, step, ctx.job)  # before any rank writes
+    if ctx.directory.is_committed(step):  # committed by a writer whose claim was stale
+        raise CheckpointError(f"{where}: step {step} was committed by another writer meanwhile")

@@ -1,0 +1,147 @@
+"""Staging: a reusable, bounded host copy of the state, so training can go on while it is
+written.
+
+An `Arena` is one host buffer (pinned when the state is on CUDA), sized from the state and
+reused by every later save: copying into memory that was already touched is ~10x faster
+here than into fresh pages, and host memory stays fixed. A `Stager` owns at most
+``buffers`` arenas; a save that finds none free waits for one or is skipped.
+
+The first save need not pay for fresh pages either: `Stager.reserve` allocates and
+touches the next arena on a background thread (`Checkpointer.prepare`), so the first
+background save blocks about as long as the later ones. It holds no more memory than the
+first save would have: one arena, the size of the state. Not done unasked: a job that
+only saves blocking never needs the arena.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from unbroken.format.shards import local_block, packed
+from unbroken.job import abort
+from unbroken.state import capture
+
+
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A staging buffer: pinned (page-locked, for device copies) or plain host memory. Not
+    advised for transparent huge pages: where the kernel defragments for them (the default
+    for advised memory), touching it stalled past the first save on a fragmented host."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+class Arena:
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._lock = threading.Lock()  # a reservation and a save never allocate at once
+        self.reserving = False
+
+    def reserve(self, nbytes: int, pin: bool) -> None:
+        """Make the buffer at least ``nbytes``, every page touched (pinned: locked)."""
+        try:
+            with self._lock:
+                if self.nbytes >= nbytes:
+                    return
+                self.buffer = None  # free the old buffer before allocating its replacement
+                buffer = host_buffer(nbytes, pin)
+                if not pin:
+                    buffer.zero_()  # page faults now, not in the first save
+                self.buffer = buffer
+        finally:
+            self.reserving = False
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def stage(
+        self, blocks: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Copy ``blocks`` (contiguous, on CPU or CUDA) into the arena; return the copies and,
+        for CUDA blocks, an event that completes when they have landed.
+
+        On return the caller may modify the originals at once: CPU copies are done, and the
+        current CUDA stream is made to wait for the side-stream copies, so kernels it runs
+        next cannot change a tensor before it has been copied."""
+        offsets, total = packed(t.nbytes for t in blocks)
+        on_cuda = [t for t in blocks if t.is_cuda]
+        with self._lock:  # waits for a reservation under way: it has done part of the work
+            if self.buffer is None or self.buffer.numel() < total:
+                self.buffer = None  # free the old buffer before allocating its replacement
+                self.buffer = host_buffer(total, pin=bool(on_cuda))
+        assert self.buffer is not None
+        copies = [
+            self.buffer[o : o + t.nbytes].view(t.dtype).view(t.shape)
+            for o, t in zip(offsets, blocks, strict=True)
+        ]
+        for dst, src in zip(copies, blocks, strict=True):
+            if not src.is_cuda:
+                dst.copy_(src)
+        if not on_cuda:
+            return copies, None
+        device = on_cuda[0].device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        main = torch.cuda.current_stream(device)
+        self._stream.wait_stream(main)  # copy what the queued kernels will have produced
+        with torch.cuda.stream(self._stream):
+            for dst, src in zip(copies, blocks, strict=True):
+                if src.is_cuda:
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(self._stream)  # keep temporaries alive until copied
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        main.wait_stream(self._stream)
+        return copies, done
+
+
+class Stager:
+    """Hands out at most ``buffers`` arenas; thread-safe (the save worker releases them)."""
+
+    def __init__(self, buffers: int) -> None:
+        self._free = [Arena() for _ in range(buffers)]
+        self._cond = threading.Condition()
+
+    def acquire(self, wait: bool) -> Arena | None:
+        with self._cond:
+            if not wait and not self._free:
+                return None
+            while not self._cond.wait_for(lambda: bool(self._free), abort.poll_s()):
+                abort.check("waiting for a staging buffer")
+            return self._free.pop()
+
+    def reserve(self, sizes: Iterable[int], pin: bool) -> None:
+        """Start sizing, on a background thread, the arena the next save takes for blocks
+        of ``sizes`` bytes (pinned if ``pin``). Cheap when it is big enough already."""
+        _, total = packed(sizes)
+        with self._cond:
+            if not self._free:
+                return
+            arena = self._free[-1]  # the one `acquire` pops next
+            if arena.nbytes >= total or arena.reserving:
+                return
+            arena.reserving = True
+        threading.Thread(
+            target=arena.reserve, args=(total, pin), name="unbroken-reserve", daemon=True
+        ).start()
+
+    def reserve_for(self, state: Mapping[str, Any]) -> None:
+        """`reserve` for the tensors of ``state``, as a save would capture them."""
+        tensors, _ = capture(state)
+        blocks = [local_block(t)[0] for t in tensors.values()]
+        self.reserve((t.nbytes for t in blocks), any(t.is_cuda for t in blocks))
+
+    def release(self, arena: Arena) -> None:
+        with self._cond:
+            self._free.append(arena)
+            self._cond.notify()
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the arenas that are not in use."""
+        with self._cond:
+            return sum(a.nbytes for a in self._free)
