@@ -25,6 +25,7 @@ from torch import nn
 from unbroken.errors import CheckpointError
 from unbroken.healing import live, records
 from unbroken.healing.records import Record
+from unbroken.state import capture
 
 STEPS = 16
 SAVE_EVERY = 10
@@ -284,7 +285,7 @@ def _window_job(rank: int, world: int, job: str) -> list[tuple[int | None, bool,
         if rank in stepped:
             train_step(3)  # the fault comes after this step, before its record
         before = snapshot()
-        healed = live.heal(comm, f"{job}-{case}", state)
+        healed = live.heal(comm, f"{job}-{case}", state, capture(state))
         at = None if healed is None else healed[0].step
         results.append((at, same(snapshot(), recorded), same(snapshot(), before)))
         if healed is None:

@@ -79,7 +79,7 @@ def _hsdp_job(rank: int, world: int, job: str) -> tuple:
     if rank in (0, 1):  # replica group 0 lost: replacements, fresh, holding nothing
         records.forget(job)
         state = build(99)
-    healed = live.heal(comm, job, state)
+    healed = live.heal(comm, job, state, capture(state))
     at = None if healed is None else healed[0].step
     ok = same(held(state), before) and state["progress"] == {"step": 3}
     for step in (4, 5):
@@ -91,7 +91,7 @@ def _hsdp_job(rank: int, world: int, job: str) -> tuple:
         records.forget(job)
         state = build(7)
         now = held(state)
-    refused = live.heal(comm, job, state)
+    refused = live.heal(comm, job, state, capture(state))
     untouched = same(held(state), now)
     return at, ok, bitwise, untouched, refused
 

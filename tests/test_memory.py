@@ -259,7 +259,7 @@ def _node_loss_job(rank: int, world: int, root: str) -> dict:
         "origins": [[o.kind, o.step, o.peer] for o in replacement.last_restore.origins],
         "equal": torch.equal(state["w"], expected),
         "progress": state["p"].step,
-        "partner": replacement._replica_partners,
+        "partner": replacement._placement.partners,
         "storage": os.path.exists(os.path.join(root, "ckpt")),
     }
 

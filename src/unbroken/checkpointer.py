@@ -38,6 +38,7 @@ from unbroken.saving.committed import Collector
 from unbroken.saving.decisions import Cadence
 from unbroken.saving.staging import Stager
 from unbroken.sdc import Replicated
+from unbroken.state import capture
 from unbroken.storage import Storage, open_storage
 
 log = logging.getLogger("unbroken")
@@ -107,13 +108,11 @@ class Checkpointer:
         self._replicating: Future[Any] | None = None
         self._snapshots: Snapshots | None = None  # made by the first `snapshot`
         self._job = job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{self.path}"
-        where = placement.place(self._comm, self._job, memory, memory_dir, replicas)
-        self._memory = where.memory
-        self._replica_partners = where.partners  # ranks that keep replicas of this rank
-        self._replica_sources = where.sources  # ranks this rank keeps replicas of
-        self._stepper = Stepper(self._comm, self._job, *where.records)
-        # One thread persists saves in order: every rank then issues the same collectives
-        # in the same order on the checkpointer's own group, never the training loop's.
+        self._placement = placement.place(self._comm, self._job, memory, memory_dir, replicas)
+        self._memory = self._placement.memory
+        self._stepper = Stepper(self._comm, self._job, *self._placement.records)
+        # One thread persists saves in order: the same collectives in the same order on
+        # every rank, on the checkpointer's own group, never the training loop's.
         self._worker = SaveThread()
         self._pending: list[PendingSave] = []
         self._failure: tuple[int, BaseException] | None = None
@@ -283,7 +282,7 @@ class Checkpointer:
         self._surface_failure()
         self._stepper.observe(state, self._memory)
         if self._snapshots is None:
-            peers = (self._replica_partners, self._replica_sources, self._snapshot_failed)
+            peers = (self._placement.partners, self._placement.sources, self._snapshot_failed)
             self._snapshots = Snapshots(self._memory, self._comm, self._worker, *peers)
         self._snapshots.make_room(step)
         self._surface_failure()  # what it waited for failed: see `Snapshots.make_room`
@@ -342,14 +341,15 @@ class Checkpointer:
         """
         self._drain()
         worker.event("restore_start")
-        healed = self._stepper.heal(state) if step is None else None
+        live = capture(state)  # once: every stage below takes the state's tensors from it
+        healed = self._stepper.heal(state, live) if step is None else None
         if healed is None:
             with self._collector.paused():
                 context = restoring.RestoreContext(
                     comm=self._comm, directory=self._directory, io_threads=self.io_threads,
                     replicated_reads=self.replicated_reads, memory=self._memory,
                 )  # fmt: skip
-                healed = restoring.restore(context, state, step, strict, fallback)
+                healed = restoring.restore(context, state, live, step, strict, fallback)
         self.last_restore = healed
         for bad in () if healed is None else healed.damaged:
             if bad.kind == "storage":

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import base64
 import random
-from collections.abc import Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Collection, Iterator, Mapping
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 from unbroken.errors import CheckpointError
 
@@ -111,12 +113,34 @@ def is_stateful(value: object) -> bool:
     )
 
 
-def capture(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Json]]:
-    """Flatten ``state`` into ``(tensors, tree)``.
+class Captured(NamedTuple):
+    """The state walked once (`capture`): ``tensors`` maps a slash-separated key
+    (``"optim/state/0/exp_avg"``) to the live tensor (no copy is made), ``tree`` each
+    top-level entry to its JSON encoding. A restore captures the state once and hands
+    this to every stage (healing, checking, resharding, applying), so each Stateful's
+    ``state_dict()`` runs once and every stage sees the same tensors."""
 
-    ``tensors`` maps a slash-separated key (``"optim/state/0/exp_avg"``) to the live tensor
-    (no copy is made here); ``tree`` maps each top-level key to its JSON encoding.
-    """
+    tensors: dict[str, torch.Tensor]
+    tree: dict[str, Json]
+
+    def only(self, names: Collection[str]) -> Captured:
+        """The entries ``names`` alone: their trees and tensors."""
+        keep = set(names)
+        tensors = {k: t for k, t in self.tensors.items() if k.split("/", 1)[0] in keep}
+        return Captured(tensors, {n: v for n, v in self.tree.items() if n in keep})
+
+    def refreshed(self, state: Mapping[str, Any], names: Collection[str]) -> Captured:
+        """With the entries ``names`` walked again: a stage gave them new tensors (an
+        optimizer's first state, see `init_state`)."""
+        if not names:
+            return self
+        again = capture({name: state[name] for name in names})
+        rest = self.only(set(self.tree) - set(names))
+        return Captured({**rest.tensors, **again.tensors}, {**rest.tree, **again.tree})
+
+
+def capture(state: Mapping[str, Any]) -> Captured:
+    """Flatten ``state`` into `Captured` ``(tensors, tree)``."""
     tensors: dict[str, torch.Tensor] = {}
     tree: dict[str, Json] = {}
     for name, value in state.items():
@@ -125,7 +149,36 @@ def capture(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str
         if is_stateful(value):
             value = value.state_dict()
         tree[name] = _encode(value, name, tensors)
-    return tensors, tree
+    return Captured(tensors, tree)
+
+
+def init_state(optim: Optimizer) -> bool:
+    """Give a fresh optimizer of sharded (DTensor) parameters its state with one
+    zero-learning-rate step on zero grads, so that a restore reads into it in place,
+    sharded like its parameters (FSDP2 needs DTensor state). Returns False, doing
+    nothing, if it already has state, any grad is set, or no parameter is a DTensor:
+    plain tensors of state are read into new tensors, which costs nothing like a step
+    over the whole model."""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    if (
+        optim.state
+        or any(p.grad is not None for p in params)
+        or not any(isinstance(p, DTensor) for p in params)
+    ):
+        return False
+    lrs = [group["lr"] for group in optim.param_groups]
+    for group in optim.param_groups:
+        group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        optim.zero_grad(set_to_none=True)
+    return True
 
 
 def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Json:

@@ -43,13 +43,12 @@ from unbroken.errors import CheckpointError
 from unbroken.format.layout import checksum, dtype_name, torch_dtype, verify_block
 from unbroken.format.shards import byte_view
 from unbroken.healing import records
-from unbroken.healing.peers import local, shard_peers, sharded
+from unbroken.healing.peers import local, replicated_entries, shard_peers
 from unbroken.healing.records import Record
 from unbroken.job.comm import Comm
-from unbroken.restoring.pipeline import _init_state
 from unbroken.restoring.sources import Origin, Restored
 from unbroken.run import faults
-from unbroken.state import capture, decode, is_stateful
+from unbroken.state import Captured, decode, init_state, is_stateful
 
 log = logging.getLogger("unbroken")
 
@@ -95,11 +94,15 @@ def _peers(table: list[dict[str, Any]], a: int, b: int) -> bool:
     return (of_a is None or b in of_a) and (of_b is None or a in of_b)
 
 
-def heal(comm: Comm, job: str, state: MutableMapping[str, Any]) -> tuple[Restored, Record] | None:
-    """Heal ``state`` from live replicas, or None (nothing changed) where it cannot.
-    Collective. Returns what was restored and the record this rank loaded."""
+def heal(
+    comm: Comm, job: str, state: MutableMapping[str, Any], captured: Captured
+) -> tuple[Restored, Record] | None:
+    """Heal ``state`` (captured once: ``captured``) from live replicas, or None (nothing
+    changed) where it cannot. Collective. Returns what was restored and the record this
+    rank loaded."""
     mine = records.own(job, comm.rank)
-    peers = shard_peers(comm, state)
+    shared = replicated_entries(state, captured)
+    peers = shard_peers(comm, state, shared.tensors)
     replicas = mine is not None and (
         bool(mine.header.get("data_parallel")) if peers is None else len(peers) > 1
     )
@@ -110,7 +113,7 @@ def heal(comm: Comm, job: str, state: MutableMapping[str, Any]) -> tuple[Restore
     chosen = plan(comm.all_gather({"live": live, "held": held, "peers": peers}))
     if chosen is None:
         return None
-    meta = _meta(state) if comm.rank not in chosen.source else None
+    meta = _meta(shared) if comm.rank not in chosen.source else None
     # Live replicas of the same state (under HSDP: the same shard) must agree bitwise.
     digests = comm.all_gather(None if meta is None else [meta["digest"], peers])
     groups: dict[str, set[str]] = {}
@@ -127,13 +130,17 @@ def heal(comm: Comm, job: str, state: MutableMapping[str, Any]) -> tuple[Restore
     if record is None:
         assert mine is not None
         record = mine
-    targets = comm.together(
+    targets, shared = comm.together(
         f"checking the heal of step {chosen.step}",
-        lambda: _targets(state, meta, record) if comm.rank in chosen.source else {},
+        lambda: (
+            _targets(state, shared, meta, record) if comm.rank in chosen.source else ({}, shared)
+        ),
     )
     faults.point("heal")
-    comm.together(f"healing step {chosen.step}", lambda: _receive(comm, chosen, state, targets))
-    comm.together(f"loading healed step {chosen.step}", lambda: _load(state, meta, record, targets))
+    comm.together(f"healing step {chosen.step}", lambda: _receive(comm, chosen, shared, targets))
+    comm.together(
+        f"loading healed step {chosen.step}", lambda: _load(state, shared, meta, record, targets)
+    )
     origins = tuple(
         Origin("live", chosen.step, chosen.source.get(r)) for r in range(comm.world_size)
     )
@@ -141,10 +148,10 @@ def heal(comm: Comm, job: str, state: MutableMapping[str, Any]) -> tuple[Restore
     return Restored(step=chosen.step, origins=origins, rank=comm.rank), record
 
 
-def _meta(state: Mapping[str, Any]) -> dict[str, Any]:
-    """What a live rank tells a lost one about the replicated entries: their JSON tree,
-    each tensor's dtype, shape and checksum, and a digest of it all."""
-    tensors, tree = capture({k: v for k, v in state.items() if records.replicated(v)})
+def _meta(shared: Captured) -> dict[str, Any]:
+    """What a live rank tells a lost one about the replicated entries (``shared``): their
+    JSON tree, each tensor's dtype, shape and checksum, and a digest of it all."""
+    tensors, tree = shared
     table = []
     for key in sorted(tensors):
         t = local(tensors[key])
@@ -201,21 +208,21 @@ def _unframe(data: bytes) -> list[bytes]:
 
 
 def _targets(
-    state: Mapping[str, Any], meta: dict[str, Any], record: Record
-) -> dict[str, torch.Tensor]:
+    state: Mapping[str, Any], shared: Captured, meta: dict[str, Any], record: Record
+) -> tuple[dict[str, torch.Tensor], Captured]:
     """On a lost rank: where each replicated tensor lands (the live tensor where it can,
-    else a new one), once the source's entries match this rank's state exactly."""
-    names = {k for k, v in state.items() if records.replicated(v)}
+    else a new one), once the source's entries match this rank's state exactly; and
+    ``shared`` with any fresh optimizer's new state (`init_state`: DTensor state exists
+    to receive into)."""
+    names = set(shared.tree)
     if set(meta["tree"]) != names or not set(record.header["tree"]) <= set(state):
         raise CheckpointError(
             f"the live replica holds entries {sorted(meta['tree'])} and the step record "
             f"{sorted(record.header['tree'])}; this rank's state has {sorted(state)}"
         )
-    if sharded(state):  # a fresh optimizer's DTensor state exists to receive into
-        for name in sorted(names):
-            if isinstance(state[name], Optimizer):
-                _init_state(state[name])
-    current, _ = capture({k: state[k] for k in names})
+    fresh = [n for n in sorted(names) if isinstance(state[n], Optimizer) and init_state(state[n])]
+    shared = shared.refreshed(state, fresh)
+    current = shared.tensors
     targets = {}
     for key, dtype, shape, _ in meta["tensors"]:
         t = None if key not in current else local(current[key])
@@ -234,20 +241,17 @@ def _targets(
             )
         else:
             targets[key] = torch.empty(shape, dtype=wanted)
-    return targets
+    return targets, shared
 
 
-def _receive(
-    comm: Comm, chosen: Plan, state: Mapping[str, Any], targets: dict[str, torch.Tensor]
-) -> None:
-    """Live sources send their replicated tensors to the lost ranks they serve; lost
-    ranks receive them into ``targets``. Keys in sorted order on both ends."""
+def _receive(comm: Comm, chosen: Plan, shared: Captured, targets: dict[str, torch.Tensor]) -> None:
+    """Live sources send their replicated tensors (``shared``) to the lost ranks they
+    serve; lost ranks receive them into ``targets``. Keys in sorted order on both ends."""
     ops = []
     serves = sorted(r for r, s in chosen.source.items() if s == comm.rank)
     if serves:
-        tensors, _ = capture({k: v for k, v in state.items() if records.replicated(v)})
-        for key in sorted(tensors):
-            t = local(tensors[key])
+        for key in sorted(shared.tensors):
+            t = local(shared.tensors[key])
             t = t if t.device.type == "cpu" and t.is_contiguous() else t.cpu().contiguous()
             for lost in serves:
                 ops.append(comm.p2p(dist.isend, t, lost))
@@ -259,6 +263,7 @@ def _receive(
 
 def _load(
     state: MutableMapping[str, Any],
+    shared: Captured,
     meta: dict[str, Any],
     record: Record,
     targets: dict[str, torch.Tensor],
@@ -268,8 +273,7 @@ def _load(
     for key, _, _, xxh3 in meta.get("tensors", []):
         verify_block(byte_view(targets[key]), xxh3, f"live replica: tensor {key!r}", " on arrival")
     # A DTensor received its local part in place: the entry is loaded with the DTensor.
-    current, _ = capture({k: state[k] for k in meta.get("tree", {})})
-    landed = {k: v for k, v in current.items() if isinstance(v, DTensor)}
+    landed = {k: v for k, v in shared.tensors.items() if isinstance(v, DTensor)}
     for name, encoded in meta.get("tree", {}).items():
         _hand(state, name, decode(encoded, {**targets, **landed}))
     tensors = record.tensors()

@@ -22,21 +22,22 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from unbroken.healing.records import replicated
 from unbroken.job.comm import Comm
-from unbroken.state import capture
+from unbroken.state import Captured
 
 
-def sharded(state: Mapping[str, Any]) -> bool:
-    """Whether the replicated entries (modules, optimizers) hold any DTensor."""
-    return any(isinstance(t, DTensor) for t in _tensors(state).values())
+def replicated_entries(state: Mapping[str, Any], live: Captured) -> Captured:
+    """The captured entries data-parallel replicas share (modules, optimizers)."""
+    return live.only([name for name, value in state.items() if replicated(value)])
 
 
-def shard_peers(comm: Comm, state: Mapping[str, Any]) -> list[int] | None:
-    """The ranks of ``comm`` (this one included) whose replicated entries hold the same
-    local tensors as this rank's, by the DTensors' meshes and placements; None if the
-    state holds no DTensor (whole replicas: the caller decides by DDP). A module
+def shard_peers(
+    comm: Comm, state: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+) -> list[int] | None:
+    """The ranks of ``comm`` (this one included) whose replicated entries (``tensors``)
+    hold the same local tensors as this rank's, by the DTensors' meshes and placements;
+    None if they hold no DTensor (whole replicas: the caller decides by DDP). A module
     parameter that is a plain tensor, or a DTensor sharded on every dimension, leaves
     only this rank."""
-    tensors = _tensors(state)
     if not any(isinstance(t, DTensor) for t in tensors.values()):
         return None
     modules = [v for v in state.values() if isinstance(v, nn.Module)]
@@ -72,11 +73,6 @@ def _group_rank(comm: Comm, global_rank: int) -> int:
     if comm.group is None:
         return global_rank
     return int(dist.get_group_rank(comm.group, global_rank))
-
-
-def _tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    tensors, _ = capture({k: v for k, v in state.items() if replicated(v)})
-    return tensors
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

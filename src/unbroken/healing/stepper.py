@@ -17,6 +17,7 @@ from unbroken.healing.records import Record
 from unbroken.job.comm import Comm
 from unbroken.memory.tier import MemoryTier
 from unbroken.restoring.sources import Restored
+from unbroken.state import Captured
 
 log = logging.getLogger("unbroken")
 
@@ -75,9 +76,9 @@ class Stepper:
             self._noted = layouts
         return layouts
 
-    def heal(self, state: MutableMapping[str, Any]) -> Restored | None:
+    def heal(self, state: MutableMapping[str, Any], captured: Captured) -> Restored | None:
         """`live.heal`: live state, or None for the snapshot path. Collective."""
-        healed = live.heal(self.comm, self.job, state)
+        healed = live.heal(self.comm, self.job, state, captured)
         return None if healed is None else healed[0]
 
     def agree_layouts(self, state: Mapping[str, Any], memory: MemoryTier | None) -> None:

@@ -33,7 +33,7 @@ from unbroken.restoring.reading import Target
 from unbroken.restoring.reshard import saved_objects
 from unbroken.restoring.sources import Origin, Restored
 from unbroken.restoring.step_choice import Choice, choose, fell_back
-from unbroken.state import capture, decode, is_stateful, prune, tensor_keys
+from unbroken.state import Captured, decode, init_state, is_stateful, prune, tensor_keys
 
 __all__ = ["Origin", "RestoreContext", "Restored", "restore"]
 
@@ -55,15 +55,16 @@ class RestoreContext:
 def restore(
     ctx: RestoreContext,
     state: MutableMapping[str, Any],
+    live: Captured,
     step: int | None,
     strict: bool,
     fallback: bool = True,
 ) -> Restored | None:
-    """Load ``step`` (None: the newest) into ``state``; None if there is nothing to
-    restore. Collective. A copy found damaged (checksum, truncated or missing file) is
-    passed over for the next newest copy that verifies, in memory or on storage, when
-    ``step`` is None and ``fallback``; otherwise the error is raised. Either way a
-    failed attempt leaves ``state`` as it was (see `Backup`)."""
+    """Load ``step`` (None: the newest) into ``state``, captured once as ``live``; None if
+    there is nothing to restore. Collective. A copy found damaged (checksum, truncated
+    or missing file) is passed over for the next newest copy that verifies, in memory or
+    on storage, when ``step`` is None and ``fallback``; otherwise the error is raised.
+    Either way a failed attempt leaves ``state`` as it was (see `Backup`)."""
     rejected: set[tuple[str, int]] = set()
     damage: list[str] = []
     while True:
@@ -78,7 +79,7 @@ def restore(
         marked = choice.from_storage and ctx.comm.rank == 0
         said = sdc.restoring(ctx.directory.storage, choice.step) if marked else None
         try:
-            restored = _load(ctx, state, choice, strict)
+            restored = _load(ctx, state, live, choice, strict)
         except Exception as e:  # on every rank: each stage fails everywhere or nowhere
             if not _damaged(ctx.comm, e) or step is not None or not fallback:
                 raise
@@ -100,18 +101,22 @@ def _damaged(comm: Comm, error: BaseException) -> bool:
 
 
 def _load(
-    ctx: RestoreContext, state: MutableMapping[str, Any], choice: Choice, strict: bool
+    ctx: RestoreContext,
+    state: MutableMapping[str, Any],
+    live: Captured,
+    choice: Choice,
+    strict: bool,
 ) -> Restored:
     """Load ``choice`` into ``state``: all of it, or (raising) nothing."""
     comm = ctx.comm
-    # Fresh optimizers of sharded parameters get their state tensors first, so that the
-    # checkpoint is read into them in place, sharded like their parameters (FSDP2 needs
-    # DTensor state).
-    fresh = [o for o in state.values() if isinstance(o, Optimizer) and _init_state(o)]
+    # Fresh optimizers of sharded parameters get their state tensors first (`init_state`):
+    # only those entries are walked again.
+    fresh = [n for n, o in state.items() if isinstance(o, Optimizer) and init_state(o)]
+    live = live.refreshed(state, fresh)
     backup: Backup | None = None
     try:
         manifest, tree, targets = comm.together(
-            f"checking step {choice.step}", lambda: _check(comm, choice, state, strict)
+            f"checking step {choice.step}", lambda: _check(comm, choice, state, live, strict)
         )
         # Memory is read where it is: a rank's snapshot holds its own values, per-rank
         # ones too, so nothing is broadcast from another rank's copy.
@@ -137,8 +142,8 @@ def _load(
     except BaseException:
         if backup is not None:
             backup.put_back()
-        for optim in fresh:
-            optim.state.clear()  # as it was: nothing changes when a restore fails
+        for name in fresh:
+            state[name].state.clear()  # as it was: nothing changes when a restore fails
         raise
     if place is not None:
         place()  # every rank has read and checked its part: nothing is left to fail
@@ -153,7 +158,7 @@ def _load(
 
 
 def _check(
-    comm: Comm, choice: Choice, state: Mapping[str, Any], strict: bool
+    comm: Comm, choice: Choice, state: Mapping[str, Any], live: Captured, strict: bool
 ) -> tuple[Manifest, dict[str, Any], list[Target]]:
     """Check the keys and shapes a restore will touch, and list what it reads."""
     source = choice.source
@@ -161,9 +166,9 @@ def _check(
     # Saved by another number of ranks: tensors are resharded by region, per-rank state
     # follows the rule of `unbroken.restoring.reshard`.
     saved, kept = saved_objects(source.where, manifest, state, comm.rank, comm.world_size)
-    live = {name: value for name, value in state.items() if name not in kept}
-    current, _ = capture(live)
-    tree = _select(source.where, saved, live, current, strict)
+    entries = {name: value for name, value in state.items() if name not in kept}
+    current = live.only(entries).tensors
+    tree = _select(source.where, saved, entries, current, strict)
     return manifest, tree, _targets(source.where, manifest, tree, current, comm.rank)
 
 
@@ -247,33 +252,6 @@ def _apply(
             target.load_state_dict(value)
         elif not isinstance(target, torch.Tensor):
             state[name] = value
-
-
-def _init_state(optim: Optimizer) -> bool:
-    """Give a fresh optimizer of sharded (DTensor) parameters its state with one
-    zero-learning-rate step on zero grads. Returns False, doing nothing, if it already
-    has state, any grad is set, or no parameter is a DTensor: plain tensors of state are
-    read into new tensors, which costs nothing like a step over the whole model."""
-    params = [p for group in optim.param_groups for p in group["params"]]
-    if (
-        optim.state
-        or any(p.grad is not None for p in params)
-        or not any(isinstance(p, DTensor) for p in params)
-    ):
-        return False
-    lrs = [group["lr"] for group in optim.param_groups]
-    for group in optim.param_groups:
-        group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
-    for p in params:
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    try:
-        optim.step()
-    finally:
-        for group, lr in zip(optim.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        optim.zero_grad(set_to_none=True)
-    return True
 
 
 def _mismatch(where: str, what: str, missing: set[str], unexpected: set[str]) -> None:
