@@ -19,6 +19,7 @@ import torch
 
 from unbroken import Checkpointer, CheckpointError, Progress
 from unbroken.access import GROUP_ENV, Access
+from unbroken.memory.paths import folder_name
 from unbroken.memory.tier import MemoryTier
 from unbroken.run.rundir import new_dir
 from unbroken.run.timeline import Timeline
@@ -51,9 +52,9 @@ def _save_everything(base: Path) -> None:
 
 
 def _created(base: Path) -> Iterator[tuple[str, int]]:
-    """``(path, mode)`` of everything the job created under ``base`` (the node-wide
-    shared-memory root, like /tmp, is world-writable and sticky on purpose)."""
-    for top in ("ckpt", "shm/j", "events/run", "state"):
+    """``(path, mode)`` of everything the job created under ``base``, the shared-memory
+    root included (this user's own, never a folder shared with other users)."""
+    for top in ("ckpt", "shm", "events/run", "state"):
         for folder, _dirs, files in os.walk(base / top):
             yield folder, os.stat(folder).st_mode
             for name in files:
@@ -79,7 +80,7 @@ def test_everything_created_is_private_whatever_the_umask(tmp_path, monkeypatch,
     assert {"slot-0.bin", "slot-0.json", "owner-00000", "manifest.json", "launcher.jsonl"} <= names
     assert any(n.startswith("events-") for n in names), names
     assert seen["dir"] >= 5 and seen["file"] >= 6, seen
-    assert os.stat(tmp_path / "shm").st_mode & 0o7777 == 0o1777
+    assert os.stat(tmp_path / "shm").st_mode & 0o7777 == access.dir_mode
 
 
 def _as_nobody(paths: list[str]) -> dict[str, str]:
@@ -142,7 +143,7 @@ def test_another_user_cannot_read_or_overwrite_snapshots_or_shards(open_base):
     control = open_base / "control"
     control.write_bytes(b"x")
     os.chmod(control, 0o666)
-    slot = str(open_base / "shm" / "j" / "rank-00000" / "slot-0.bin")
+    slot = str(open_base / "shm" / folder_name("j") / "rank-00000" / "slot-0.bin")
     shard = next(p for p, _ in _created(open_base) if p.endswith(".safetensors"))
     targets = [slot, shard, str(control)]
     result = _as_nobody(targets)
@@ -164,7 +165,7 @@ def test_a_job_folder_planted_by_another_user_is_refused(open_base):
     import pwd
 
     nobody = pwd.getpwnam("nobody")
-    planted = open_base / "shm" / "j"
+    planted = open_base / "shm" / folder_name("j")
     planted.mkdir(parents=True)
     os.chown(planted, nobody.pw_uid, nobody.pw_gid)
     with pytest.raises(CheckpointError, match=r"belongs to user id .* not this job's user"):

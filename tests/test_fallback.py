@@ -15,6 +15,7 @@ from conftest import make_model, train_steps
 from ranks import run_ranks
 from unbroken import Checkpointer, CorruptCheckpointError
 from unbroken.format.layout import step_dir
+from unbroken.memory.paths import folder_name
 from unbroken.run import contract, worker
 
 
@@ -190,7 +191,9 @@ def _replica_damaged_job(rank: int, world: int, root: str) -> dict:
     if rank == 1:
         shutil.rmtree(shm)
         state = {"w": torch.zeros(100)}
-        [data] = glob.glob(os.path.join(root, "node-0", "j", "replicas", "rank-00001", "*.bin"))
+        [data] = glob.glob(
+            os.path.join(root, "node-0", folder_name("j"), "replicas", "rank-00001", "*.bin")
+        )
         _flip(data, 10)
     replacement = make()
     step = replacement.restore(state)

@@ -17,6 +17,7 @@ from conftest import make_model, train_steps
 from ranks import run_ranks
 from unbroken import Checkpointer, CheckpointError
 from unbroken.format.layout import step_dir
+from unbroken.memory.paths import folder_name, owner_text
 from unbroken.memory.tier import partners
 
 
@@ -93,7 +94,7 @@ def test_two_slots_a_damaged_newest_falls_back_to_the_other(tmp_path):
         ckpt.snapshot(step, state)
         ckpt.wait()  # each published before the next: two slots suffice, and alternate
         seen[step] = _weights(state)
-    rank_dir = tmp_path / "shm" / "job-a" / "rank-00000"
+    rank_dir = tmp_path / "shm" / folder_name("job-a") / "rank-00000"
     assert sorted(os.listdir(rank_dir)) == [
         "slot-0.bin",
         "slot-0.json",
@@ -118,7 +119,7 @@ def test_a_half_written_slot_is_never_used(tmp_path):
     train_steps(state["model"], state["optim"], 1)
     ckpt.snapshot(2, state)
     ckpt.wait()
-    rank_dir = tmp_path / "shm" / "job-a" / "rank-00000"
+    rank_dir = tmp_path / "shm" / folder_name("job-a") / "rank-00000"
     # A crash while step 3 is copied: its slot (step 1's) has lost its description.
     victim = _slot_of(rank_dir, 1)
     os.unlink(victim)
@@ -130,7 +131,7 @@ def test_another_jobs_or_ranks_memory_is_never_used(tmp_path):
     first.snapshot(4, _state())
     first.wait()
     assert _ckpt(tmp_path, job="job-b").restore(_state()) is None  # a different job
-    rank_dir = tmp_path / "shm" / "job-a" / "rank-00000"
+    rank_dir = tmp_path / "shm" / folder_name("job-a") / "rank-00000"
     header = rank_dir / "slot-0.json"
     raw = json.loads(header.read_text())
     raw["rank"] = 1  # a region that claims to belong to another rank
@@ -164,12 +165,12 @@ def test_abandoned_jobs_memory_is_cleaned_up(tmp_path):
     )
     old = tmp_path / "shm" / "old-job"
     (old / "rank-00000").mkdir(parents=True)
-    (old / "owner-00000").write_text(dead.stdout.strip())
+    (old / "owner-00000").write_text(f"{dead.stdout.strip()} {owner_text().split()[1]}")
     live = tmp_path / "shm" / "live-job"
     (live / "rank-00000").mkdir(parents=True)
-    (live / "owner-00000").write_text(str(os.getpid()))
+    (live / "owner-00000").write_text(owner_text())
     _ckpt(tmp_path, job="job-a")
-    assert sorted(os.listdir(tmp_path / "shm")) == ["job-a", "live-job"]
+    assert sorted(os.listdir(tmp_path / "shm")) == sorted([folder_name("job-a"), "live-job"])
 
 
 def test_snapshot_needs_memory_on():
@@ -291,7 +292,7 @@ def _incomplete_job(rank: int, world: int, root: str) -> int | None:
         import shutil
 
         shutil.rmtree(shm)
-        replica = os.path.join(root, "node-0", "j", "replicas", "rank-00001")
+        replica = os.path.join(root, "node-0", folder_name("j"), "replicas", "rank-00001")
         os.unlink(_slot_of(replica, 2))
     return Checkpointer(
         os.path.join(root, "ckpt"), memory=True, replicas=1, memory_dir=shm, job="j"
@@ -339,7 +340,7 @@ def _renumbered_job(rank: int, world: int, root: str) -> dict:
     }
     ckpt.snapshot(4, fresh)
     ckpt.wait()  # step 4 is complete: the survivor frees what nobody needs
-    job = os.path.join(root, "node-1", "j")
+    job = os.path.join(root, "node-1", folder_name("j"))
     result["kept"] = sorted(os.listdir(job)) + sorted(os.listdir(os.path.join(job, "replicas")))
     ckpt.close()
     return result

@@ -16,7 +16,9 @@ parameter threaded through each component); pass an `Access` to `LocalStorage` o
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from dataclasses import dataclass
 
 from unbroken.errors import CheckpointError
@@ -45,8 +47,18 @@ class Access:
         return 0o770 if self.group else 0o700
 
     def open(self, path: str, flags: int) -> int:
-        """``os.open(path, flags | O_CREAT)`` with this file mode, whatever the umask."""
-        fd = os.open(path, flags | os.O_CREAT, self.file_mode)
+        """``os.open(path, flags | O_CREAT)`` with this file mode, whatever the umask, never
+        through a symlink: one planted where a file of the job's goes is refused (ELOOP),
+        not written through into whatever it names."""
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, self.file_mode)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise CheckpointError(
+                f"{path} is a symlink where this job writes a file of its own; remove it "
+                "(unbroken never writes through a link)"
+            ) from None
         try:
             os.fchmod(fd, self.file_mode)
         except BaseException:
@@ -92,6 +104,11 @@ class Access:
         for this job's and who could read what is written into it."""
         self.makedirs(path)
         info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            raise CheckpointError(
+                f"{path} is a symlink where this job's own folder goes; remove it (the job "
+                "never writes through a link)"
+            )
         if info.st_uid != os.geteuid():
             raise CheckpointError(
                 f"{path} belongs to user id {info.st_uid}, not this job's user "

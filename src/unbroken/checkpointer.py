@@ -23,7 +23,7 @@ from unbroken.healing.stepper import Stepper
 from unbroken.job import abort
 from unbroken.job.background import PendingSave, SaveThread, wait_for
 from unbroken.job.comm import Comm
-from unbroken.memory import placement
+from unbroken.memory import paths, placement
 from unbroken.memory.snapshots import Snapshots
 from unbroken.options import Options
 from unbroken.policies import SavePolicy
@@ -107,7 +107,7 @@ class Checkpointer:
         self._stager = Stager(staging_buffers)
         self._replicating: Future[Any] | None = None
         self._snapshots: Snapshots | None = None  # made by the first `snapshot`
-        self._job = job or os.environ.get("TORCHELASTIC_RUN_ID") or f"path-{self.path}"
+        self._job = job or paths.job_name(self.path)
         self._placement = placement.place(self._comm, self._job, memory, memory_dir, replicas)
         self._memory = self._placement.memory
         self._stepper = Stepper(self._comm, self._job, *self._placement.records)

@@ -35,13 +35,15 @@ class Options:
             and broadcast what each read. The last two cut storage traffic by the world
             size, which is what counts on object stores.
         memory: keep `snapshot`s in this node's shared memory (``memory_dir``, default
-            ``$UNBROKEN_MEMORY_DIR`` or /dev/shm/unbroken), so a process restarted on the
-            same node restores without touching storage.
+            ``$UNBROKEN_MEMORY_DIR`` or /dev/shm/unbroken-<uid>), so a process restarted
+            on the same node restores without touching storage.
         replicas: with ``memory``, also keep each snapshot in the shared memory of this
             many peers on other nodes (sent in the background over the checkpointer's
             gloo group), so the ranks of a lost node restore from their peers.
         job: names the job in shared memory, so another job's snapshots are never
-            used; default: torchrun's run id, else the checkpoint path.
+            used; default: torchrun's run id (unless torchrun's "none") with the
+            checkpoint location made absolute. Its folder name holds a hash of it, so
+            names that read alike once made safe for a file name never share one.
     """
 
     keep: int | Retention | None = None

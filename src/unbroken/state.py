@@ -185,6 +185,20 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Json:
     if isinstance(value, torch.Tensor):
         if path in tensors:
             raise CheckpointError(f"two tensors map to the key {path!r}; rename one of them")
+        # Checkpoints hold a tensor's bytes in row-major order, which sparse, MKL-DNN and
+        # nested tensors do not have: refused here, by name, not by torch deep in a save.
+        if value.is_nested:
+            raise CheckpointError(
+                f"{path} is a nested tensor; checkpoints hold dense tensors only: return "
+                "its components (.unbind()) or a padded copy (.to_padded_tensor(0)) from "
+                "state_dict(), and rebuild it in load_state_dict()"
+            )
+        if value.layout != torch.strided:
+            raise CheckpointError(
+                f"{path} is a tensor of layout {value.layout} (sparse or MKL-DNN); "
+                "checkpoints hold dense tensors only: return .to_dense() from state_dict() "
+                "(and convert it back in load_state_dict())"
+            )
         tensors[path] = value
         return {_TENSOR: path}
     if value is None or isinstance(value, bool | int | float | str):

@@ -7,6 +7,6 @@ commands other wings own (run, coordinator, demo, goodput, simulate), started la
     hf_export   ``unbroken export --format hf``: weights as the folder ``from_pretrained`` loads
 
 Entry points: main.
-May import: data, dcp, demo, errors, format, goodput, retention, run, saving, sdc, state,
-storage.
+May import: access, data, dcp, demo, errors, format, goodput, retention, run, saving, sdc,
+state, storage.
 """

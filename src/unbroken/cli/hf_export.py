@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from unbroken.access import Access
 from unbroken.errors import CheckpointError
 from unbroken.format.directory import Directory
 from unbroken.format.layout import Manifest, nbytes_of
@@ -70,9 +71,9 @@ def export(
 ) -> Exported:
     """Write the tensors of the state entries ``only`` (named as `export_names` says)
     as a Hugging Face folder ``out`` (which must not exist). The folder appears whole or
-    not at all: it is written beside ``out`` and renamed. One shard is in memory at once."""
-    from safetensors.torch import save_file
-
+    not at all: it is written beside ``out`` and renamed. One shard is in memory at once.
+    The folder and its files get `Access.from_env` modes (0700 / 0600), whatever the umask."""
+    access = Access.from_env()
     names = export_names(manifest, only, strip)
     tied = _tied(manifest, names, config)
     keys = [key for key, name in names.items() if name not in tied]
@@ -80,7 +81,7 @@ def export(
     shards = _shards(keys, sizes, max_shard_size)
     partial = f"{out}.partial"
     shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
+    access.makedirs(partial)
     files, weight_map = [], {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
@@ -89,21 +90,52 @@ def export(
             tensors[names[key]] = cast(tensor, dtype)
             progress(sum(c.nbytes for c in manifest.tensors[key].chunks))
             weight_map[names[key]] = file
-        save_file(tensors, os.path.join(partial, file), metadata=METADATA)
+        save_file(tensors, os.path.join(partial, file), METADATA, access)
         files.append(file)
     total = sum(sizes.values())
     index = {
         "metadata": {"total_size": total, "unbroken_step": manifest.step},
         "weight_map": dict(sorted(weight_map.items())),
     }
-    with open(os.path.join(partial, INDEX), "w") as f:
-        json.dump(index, f, indent=2)
+    access.write_text(os.path.join(partial, INDEX), json.dumps(index, indent=2))
     if config is not None:
-        shutil.copyfile(config, os.path.join(partial, "config.json"))
+        with open(config, "rb") as src:
+            fd = access.open(os.path.join(partial, "config.json"), os.O_WRONLY | os.O_TRUNC)
+            with os.fdopen(fd, "wb") as dst:
+                shutil.copyfileobj(src, dst)
     if os.path.isdir(out):  # the caller allowed replacing it
         shutil.rmtree(out)
     os.replace(partial, out)
     return Exported([*files, INDEX], len(keys), total, tied)
+
+
+def check_destination(out: str) -> None:
+    """Refuse, before anything is read, a file ``out`` whose folder is missing or not
+    writable: one line and exit code 2, not an error from the writer after the reading."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise CheckpointError(
+            f"cannot write {out}: the folder {folder} does not exist; create it first"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {out}: the folder {folder} is not writable")
+
+
+def save_file(
+    tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str], access: Access
+) -> None:
+    """safetensors' ``save_file`` with ``access``'s file mode whatever the umask. The file
+    is made first with that mode: safetensors versions that write into it keep the mode,
+    those that rename a 0600 temporary file over it get it set after."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file as save
+
+    os.close(access.open(path, os.O_WRONLY | os.O_TRUNC))
+    try:
+        save(tensors, path, metadata=metadata)
+    except SafetensorError as e:  # the disk is full, say: the path and why, in one line
+        raise CheckpointError(f"cannot write {path}: {e}") from None
+    os.chmod(path, access.file_mode)
 
 
 def _exported_bytes(manifest: Manifest, key: str, dtype: torch.dtype | None) -> int:

@@ -31,7 +31,7 @@ from unbroken.data import command as tokenise
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format.directory import Directory
 from unbroken.format.offline import consolidate, selected_bytes, verify
-from unbroken.saving.committed import read_info
+from unbroken.saving.committed import let_go, read_info
 from unbroken.state import leaves
 from unbroken.storage import open_storage
 
@@ -198,7 +198,7 @@ def _gc(opts: argparse.Namespace) -> int:
         raise CheckpointError("name what to keep: --keep-last, --keep-every, ... (see --help)")
     directory = _open(opts.path)
     infos = [read_info(directory, s) for s in directory.steps()]
-    doomed = retention.doomed(retention.KeepAny(tuple(rules)), infos)
+    doomed = let_go(directory, retention.KeepAny(tuple(rules)), infos)  # as keep= does
     kept = [i.step for i in infos if i.step not in doomed]
     verb = "would delete" if opts.dry_run else "deleting"
     console.print(f"{opts.path}: keeping {kept}; {verb} {doomed}", highlight=False)
@@ -214,9 +214,7 @@ def _seconds(text: str) -> float:
             return float(text[:-1]) * units[text[-1]]
         return float(text)
     except ValueError:
-        raise CheckpointError(
-            f"--keep-per-window {text!r}: a number of seconds, or 12h, 1d"
-        ) from None
+        raise CheckpointError(f"--keep-per-window {text!r}: seconds, or 12h, 1d") from None
 
 
 def _open(path: str) -> Directory:
@@ -328,14 +326,15 @@ def _verify(opts: argparse.Namespace) -> int:
 
 
 def _export(opts: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
-
+    from unbroken.access import Access
     from unbroken.cli import hf_export
 
     if os.path.exists(opts.out) and not opts.force:
         raise CheckpointError(f"{opts.out} already exists; pass --force to overwrite it")
     if opts.format != "hf" and opts.config:
         raise CheckpointError("--config needs --format hf")
+    if opts.format != "hf":  # the hf folder is made with its parents
+        hf_export.check_destination(opts.out)
     directory = _open(opts.path)
     m = directory.manifest(opts.step)
     dtype = getattr(torch, opts.dtype) if opts.dtype else None
@@ -358,7 +357,8 @@ def _export(opts: argparse.Namespace) -> int:
             return OK
         tensors = dict(consolidate(directory, m, only, dtype, advance, opts.strip_prefix))
     partial_out = f"{opts.out}.partial"  # a reader never sees half a file under OUT
-    save_file(tensors, partial_out, metadata={**hf_export.METADATA, "unbroken_step": str(m.step)})
+    meta = {**hf_export.METADATA, "unbroken_step": str(m.step)}
+    hf_export.save_file(tensors, partial_out, meta, Access.from_env())
     os.replace(partial_out, opts.out)
     size = sum(t.nbytes for t in tensors.values())
     console.print(f"wrote {len(tensors)} tensors, {_size(size)}, to {opts.out}", highlight=False)

@@ -11,7 +11,7 @@ resumable distributed order.
   (``unbroken tokenise``).
 
 Entry points: command, files, tokenise.
-May import: (nothing: it stands alone).
+May import: access (the modes of the token files it writes).
 """
 
 from unbroken.data.dataset import TokenDataset

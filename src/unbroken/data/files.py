@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from unbroken.access import Access
+
 FORMAT, VERSION = "unbroken.tokens", 1
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _HASH_CHUNK = 1 << 24  # 16 MiB per hash update: large enough to run at memory speed
@@ -144,6 +146,8 @@ class TokenWriter:
     ``dtype``: ``"uint16"`` (ids below 65,536) or ``"uint32"``; an id that does not fit
     raises `DataFileError` rather than wrapping around. Until `close`, ``path`` keeps its
     old contents (the tokens go to a temporary file of this process, renamed at the end).
+    Both files get `Access.from_env` modes (0600, or 0660 with group access), whatever
+    the umask, as everything else unbroken writes.
     """
 
     def __init__(self, path: str | Path, dtype: str = "uint16", **meta: Any) -> None:
@@ -156,7 +160,9 @@ class TokenWriter:
         self._hash = xxhash.xxh3_64()
         self._limit = (1 << (8 * np.dtype(DTYPES[dtype]).itemsize)) - 1
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
-        self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed in close())
+        self._access = Access.from_env()
+        fd = self._access.open(str(self._tmp), os.O_WRONLY | os.O_TRUNC)
+        self._file = os.fdopen(fd, "wb")  # closed in close()
 
     def append(self, ids: Any) -> None:
         arr = np.asarray(ids)
@@ -187,7 +193,7 @@ class TokenWriter:
             **self.meta,
         }
         tmp = sidecar(self._tmp)
-        tmp.write_text(json.dumps(meta))
+        self._access.write_text(str(tmp), json.dumps(meta))
         os.replace(tmp, side)
 
     def abort(self) -> None:

@@ -19,7 +19,9 @@ import io
 import os
 import pickle
 import re
+import shutil
 import sys
+import tempfile
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -29,6 +31,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
+from unbroken.access import Access
 from unbroken.dcp._layout import (
     FIELD,
     Stored,
@@ -158,7 +161,8 @@ def unbroken_to_dcp(
 
     A step written through `unbroken.dcp` is converted item for item. One that
     `unbroken.Checkpointer` wrote is joined into whole tensors in memory, with its
-    non-tensor state, and saved with DCP's own writer: `native_to_dcp`."""
+    non-tensor state, and saved with DCP's own writer: `native_to_dcp`. What is written
+    gets `Access.from_env` modes (files 0600, a new ``dst`` 0700), whatever the umask."""
     if "://" in dst:
         raise CheckpointError(f"{dst}: DCP's FileSystemWriter layout is written to a local path")
     target = os.path.join(dst, DCP_METADATA)
@@ -175,14 +179,15 @@ def unbroken_to_dcp(
     by_file: dict[str, list[tuple[MetadataIndex, Where]]] = defaultdict(list)
     for index, item in located.items():
         by_file[item.chunk.file].append((index, item))
-    os.makedirs(dst, exist_ok=True)
+    access = Access.from_env()
+    access.makedirs(dst)
     storage_data: dict[MetadataIndex, _StorageInfo] = {}
     for file, items in sorted(by_file.items()):
         name = _dcp_file(file)
         items.sort(key=lambda pair: pair[1].chunk.start)
-        storage_data.update(_write_dcp_file(ckpt.directory, ckpt.folder, dst, name, items))
+        storage_data.update(_write_dcp_file(ckpt.directory, ckpt.folder, dst, name, items, access))
     metadata.storage_data = storage_data
-    _publish(target, pickle.dumps(metadata))
+    _publish(target, pickle.dumps(metadata), access)
     return len(storage_data)
 
 
@@ -215,9 +220,21 @@ def native_to_dcp(directory: Directory, manifest: Manifest, dst: str) -> int:
             "state); a DCP checkpoint holds one value per key, so rank 0's are converted",
             stacklevel=2,
         )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(decode(tree, tensors), storage_writer=FileSystemWriter(dst), no_dist=True)
+    access = Access.from_env()
+    access.makedirs(dst)
+    # DCP's writer creates files as the umask says: it writes them into a folder only
+    # this user can open (mkdtemp: 0700), and each moves out once its mode is set.
+    staging = tempfile.mkdtemp(prefix=".unbroken-", dir=dst)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            writer = FileSystemWriter(staging)
+            dcp.save(decode(tree, tensors), storage_writer=writer, no_dist=True)
+        for name in sorted(os.listdir(staging), key=lambda n: n == DCP_METADATA):  # it last
+            os.chmod(os.path.join(staging, name), access.file_mode)
+            os.replace(os.path.join(staging, name), os.path.join(dst, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return len(tensors)
 
 
@@ -229,12 +246,13 @@ def _dcp_file(shard: str) -> str:
 
 def _write_dcp_file(
     directory: Directory, folder: str, dst: str, name: str,
-    items: Iterable[tuple[MetadataIndex, Where]],
+    items: Iterable[tuple[MetadataIndex, Where]], access: Access,
 ) -> dict[MetadataIndex, _StorageInfo]:  # fmt: skip
     """Write ``items`` (read and verified from ``folder``) into ``dst/name`` as DCP's
     FileSystemWriter does: torch.save for tensors, bytes items as they are."""
     found = {}
-    with open(os.path.join(dst, name), "wb") as out:
+    fd = access.open(os.path.join(dst, name), os.O_WRONLY | os.O_TRUNC)
+    with os.fdopen(fd, "wb") as out:
         for index, item in items:
             data = read_chunk(directory.storage, folder, item.key, item.entry, item.chunk)
             start = out.tell()
@@ -248,10 +266,10 @@ def _write_dcp_file(
     return found
 
 
-def _publish(path: str, data: bytes) -> None:
+def _publish(path: str, data: bytes, access: Access) -> None:
     """Write ``path`` durably under a temporary name, then rename it into place."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as out:
+    with os.fdopen(access.open(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as out:
         out.write(data)
         out.flush()
         os.fsync(out.fileno())

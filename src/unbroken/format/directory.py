@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format.layout import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
 from unbroken.format.validate import latest_step
 from unbroken.run import faults
@@ -82,7 +82,7 @@ class Directory:
         the pointer is absent or malformed."""
         try:
             return latest_step(self.storage.read(LATEST))  # validate: hostile pointers
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
+        except (FileNotFoundError, CorruptCheckpointError, ValueError, KeyError, TypeError):
             steps = self.steps()
             return steps[-1] if steps else None
 
@@ -123,7 +123,10 @@ class Directory:
             self.storage.delete(name)
 
     def delete(self, step: int) -> None:
-        # Manifest first: from that moment no reader sees a half-deleted checkpoint.
+        """Delete ``step``: its manifest first, from which moment no reader sees a
+        half-deleted checkpoint, then its folder. A step folder that is a symbolic link
+        (a fine-tune run linking a pre-training step) loses the link only, at once: the
+        local storage never deletes through a link (`unbroken.storage.local`)."""
         self.storage.delete(f"{step_dir(step)}/{MANIFEST}")
         faults.point("retention-gc")
         self.storage.delete(step_dir(step))
@@ -134,6 +137,8 @@ class Directory:
             return True
         except FileNotFoundError:
             return False
+        except CorruptCheckpointError:  # a link: counted, and found damaged when read
+            return True
 
     def __repr__(self) -> str:
         return f"Directory({self.path!r})"

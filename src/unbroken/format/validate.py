@@ -214,6 +214,24 @@ def stored_enough(key: str, dtype: str, shape: list[int], chunks: list[Any], whe
         )
 
 
+def tensor_bytes(dtype: Any, shape: Any, what: str) -> int:
+    """The bytes of a tensor of ``dtype`` (a format dtype name, ``"F32"``) and ``shape``,
+    for a description other processes send (a heal's peer, a step record). ValueError
+    naming ``what`` unless the dtype is known and the shape a list of at most `MAX_NDIM`
+    non-negative integers of at most `MAX_ELEMENTS` elements in all: checked before
+    anything is allocated for it."""
+    itemsize = _ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
+    if itemsize is None:
+        raise ValueError(f"{what} has an unknown dtype {dtype!r:.40}")
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM) or not all(
+        type(n) is int and 0 <= n <= MAX_ELEMENTS for n in shape
+    ):
+        raise ValueError(f"{what} has an impossible shape {shape!r:.80}")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise ValueError(f"{what} has an absurdly large shape {shape}")
+    return math.prod(shape) * itemsize
+
+
 def _small_json(data: bytes, what: str) -> dict[str, Any]:
     """A parsed JSON object; ValueError for anything else (bad bytes, deep nesting)."""
     try:

@@ -11,7 +11,7 @@ directory it reads is `unbroken.run.rundir`.
 Event names and fields: docs/goodput.md.
 
 Entry points: account, costs, simulate, cli, simulate_cli.
-May import: policies, run.
+May import: access, policies, run.
 """
 
 from unbroken.goodput.account import Account, account

@@ -2,7 +2,8 @@
 
 Prints goodput and badput by cause (`unbroken.goodput.account`), or ``--json``; writes a
 self-contained HTML report (``--html``, default ``RUN_DIR/goodput.html``) and, where
-matplotlib is installed, a PNG timeline (``--png``, default ``RUN_DIR/goodput.png``).
+matplotlib is installed, a PNG timeline (``--png``, default ``RUN_DIR/goodput.png``),
+both with `Access.from_env`'s file mode (0600) whatever the umask, as the event logs.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import json
 import sys
 from pathlib import Path
 
+from unbroken.access import Access
 from unbroken.goodput import html
-from unbroken.goodput.account import account
+from unbroken.goodput.account import Account, account
 from unbroken.goodput.report import text
 from unbroken.run import rundir
 
@@ -46,8 +48,16 @@ def main(argv: list[str]) -> int:
         print(text(a, where))
     if args.no_files:
         return 0
+    try:
+        return _write_files(args, a, where)
+    except OSError as e:  # a missing folder, say: the path and why, in one line
+        print(f"unbroken goodput: cannot write the report: {e}", file=sys.stderr)
+        return 2
+
+
+def _write_files(args: argparse.Namespace, a: Account, where: str) -> int:
     page = args.html or args.run_dir / "goodput.html"
-    page.write_text(html.page(a, where))
+    Access.from_env().write_text(str(page), html.page(a, where))
     wrote = [str(page)]
     from unbroken.goodput import plot
 

@@ -4,14 +4,25 @@ rank, coloured by where each second went, failures marked."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
+from typing import Any
 
+from unbroken.access import Access
 from unbroken.goodput.account import CAUSES, Account
 from unbroken.goodput.report import COLOURS, pct
 
 
 def have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
+
+
+def save_png(fig: Any, path: Path) -> None:
+    """``fig`` as the PNG ``path``, with `Access.from_env`'s file mode whatever the umask
+    (0600: a run's timeline is its user's, as its event logs are)."""
+    fd = Access.from_env().open(str(path), os.O_WRONLY | os.O_TRUNC)
+    with os.fdopen(fd, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
 
 
 def timeline(a: Account, where: str, path: Path) -> None:
@@ -54,5 +65,5 @@ def timeline(a: Account, where: str, path: Path) -> None:
         pad=26 if a.failures else 6,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from unbroken.goodput.costs import Cluster, Costs
+from unbroken.goodput.plot import save_png
 from unbroken.goodput.simulate import simulate
 from unbroken.policies import young_daly
 
@@ -59,5 +60,5 @@ def plot(path: Path, cluster: Cluster, costs: list[Costs], days: float, seeds: i
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
     plt.close(fig)

@@ -7,6 +7,7 @@ bitwise.
     live         `heal()`: the plan of who sends what, and sending it
     peers        which ranks hold the same replicated state as this one
     records      per-step records, kept on the rank and on its record peer
+    messages     what peers send a heal (rows, records, descriptions), checked whole
     ddp_buckets  DDP's gradient bucket layout across restarts
 
 Entry points: stepper, records.

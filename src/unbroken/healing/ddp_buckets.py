@@ -127,6 +127,33 @@ class Tracker:
             self._owed.clear()
 
 
+def check_layouts(raw: Any, state: Mapping[str, Any]) -> dict[str, Layout]:
+    """``raw`` (parsed JSON: a shared-memory file, a peer's record or proposal) as layouts
+    by state entry. ValueError unless it is an object whose every entry names a module of
+    ``state`` (or its DDP wrapper) and whose layout lists, in non-empty buckets, each index
+    of at most that module's trainable parameters once. Flat checks only: nothing
+    recurses into it. `apply` checks the exact fit again against the wrapper."""
+    if not isinstance(raw, dict):
+        raise ValueError("the layouts are not an object")
+    found = {}
+    for name, wanted in raw.items():
+        value = state.get(name)
+        module = value.module if isinstance(value, DistributedDataParallel) else value
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"{name!r:.60} is not a module of the state")
+        if not (
+            isinstance(wanted, list)
+            and all(isinstance(b, list) and b and all(type(i) is int for i in b) for b in wanted)
+        ):
+            raise ValueError(f"the layout of {name!r} is not buckets of parameter indices")
+        count = sum(1 for p in module.parameters() if p.requires_grad)
+        indices = sorted(i for b in wanted for i in b)
+        if len(indices) > count or indices != list(range(len(indices))):
+            raise ValueError(f"the layout of {name!r} does not fit its {count} parameters")
+        found[name] = [list(b) for b in wanted]
+    return found
+
+
 def _eligible(ddp: DistributedDataParallel) -> bool:
     reducer = getattr(ddp, "reducer", None)
     return (

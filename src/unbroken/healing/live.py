@@ -40,9 +40,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from unbroken.errors import CheckpointError
-from unbroken.format.layout import checksum, dtype_name, torch_dtype, verify_block
+from unbroken.format.layout import checksum, dtype_name, verify_block
 from unbroken.format.shards import byte_view
-from unbroken.healing import records
+from unbroken.healing import messages, records
+from unbroken.healing.messages import Meta
 from unbroken.healing.peers import local, replicated_entries, shard_peers
 from unbroken.healing.records import Record
 from unbroken.job.comm import Comm
@@ -99,7 +100,9 @@ def heal(
 ) -> tuple[Restored, Record] | None:
     """Heal ``state`` (captured once: ``captured``) from live replicas, or None (nothing
     changed) where it cannot. Collective. Returns what was restored and the record this
-    rank loaded."""
+    rank loaded. What peers send is checked whole (`unbroken.healing.messages`) inside
+    `Comm.together`: a malformed message is a `CheckpointError` on every rank, raised
+    before any byte of the state changes."""
     mine = records.own(job, comm.rank)
     shared = replicated_entries(state, captured)
     peers = shard_peers(comm, state, shared.tensors)
@@ -110,12 +113,35 @@ def heal(
     if replicas and mine is not None and records.fingerprint(state) == mine.header["fingerprint"]:
         live = mine.step
     held = {str(o): sorted(s) for o, s in records.held(job).items()}
-    chosen = plan(comm.all_gather({"live": live, "held": held, "peers": peers}))
+    row = {"live": live, "held": held, "peers": peers}
+    chosen = plan(messages.rows(comm.all_gather(row), comm.world_size))
     if chosen is None:
         return None
     meta = _meta(shared) if comm.rank not in chosen.source else None
-    # Live replicas of the same state (under HSDP: the same shard) must agree bitwise.
-    digests = comm.all_gather(None if meta is None else [meta["digest"], peers])
+    gathered = comm.all_gather(None if meta is None else [meta["digest"], peers])
+    digests = messages.digests(gathered, comm.world_size)
+    if not _agree(digests, chosen.step):
+        return None
+    record, described, targets, shared = comm.together(
+        f"checking the heal of step {chosen.step}",
+        lambda: _checked(comm, job, chosen, state, shared, meta, digests, mine),
+    )
+    faults.point("heal")
+    comm.together(f"healing step {chosen.step}", lambda: _receive(comm, chosen, shared, targets))
+    comm.together(
+        f"loading healed step {chosen.step}",
+        lambda: _load(state, shared, described, record, targets),
+    )
+    origins = tuple(
+        Origin("live", chosen.step, chosen.source.get(r)) for r in range(comm.world_size)
+    )
+    log.info("healed step %d from live replicas: ranks %s", chosen.step, sorted(chosen.source))
+    return Restored(step=chosen.step, origins=origins, rank=comm.rank), record
+
+
+def _agree(digests: list[tuple[str, list[int] | None] | None], step: int) -> bool:
+    """Whether the live replicas of the same state (under HSDP: the same shard) agree
+    bitwise, by their digests."""
     groups: dict[str, set[str]] = {}
     for d in digests:
         if d is not None:
@@ -123,29 +149,10 @@ def heal(
     if any(len(g) > 1 for g in groups.values()):
         log.warning(
             "replicas differ at step %d (digests by rank %s): silent data corruption? "
-            "Not healing from them", chosen.step, digests,
+            "Not healing from them", step, digests,
         )  # fmt: skip
-        return None
-    record, meta = _messages(comm, job, chosen, meta)
-    if record is None:
-        assert mine is not None
-        record = mine
-    targets, shared = comm.together(
-        f"checking the heal of step {chosen.step}",
-        lambda: (
-            _targets(state, shared, meta, record) if comm.rank in chosen.source else ({}, shared)
-        ),
-    )
-    faults.point("heal")
-    comm.together(f"healing step {chosen.step}", lambda: _receive(comm, chosen, shared, targets))
-    comm.together(
-        f"loading healed step {chosen.step}", lambda: _load(state, shared, meta, record, targets)
-    )
-    origins = tuple(
-        Origin("live", chosen.step, chosen.source.get(r)) for r in range(comm.world_size)
-    )
-    log.info("healed step %d from live replicas: ranks %s", chosen.step, sorted(chosen.source))
-    return Restored(step=chosen.step, origins=origins, rank=comm.rank), record
+        return False
+    return True
 
 
 def _meta(shared: Captured) -> dict[str, Any]:
@@ -161,11 +168,46 @@ def _meta(shared: Captured) -> dict[str, Any]:
     return {"tree": tree, "tensors": table, "digest": digest}
 
 
+Checked = tuple[Record, Meta | None, dict[str, torch.Tensor], Captured]
+
+
+def _checked(
+    comm: Comm,
+    job: str,
+    chosen: Plan,
+    state: Mapping[str, Any],
+    shared: Captured,
+    meta: dict[str, Any] | None,
+    digests: list[tuple[str, list[int] | None] | None],
+    mine: Record | None,
+) -> Checked:
+    """Send and receive the heal's messages, and check what arrived whole. Returns the
+    record this rank loads, what its source described (None on a live rank), where each
+    replicated tensor lands (`_targets`) and ``shared`` as refreshed there."""
+    got = _messages(comm, job, chosen, meta)
+    if got is None:
+        assert mine is not None  # a live rank has its own record
+        return mine, None, {}, shared
+    holder, source = chosen.holder[comm.rank], chosen.source[comm.rank]
+    record = Record.decode(got[0], f"rank {holder}")
+    if record.rank != comm.rank or record.step != chosen.step:
+        raise CheckpointError(
+            f"rank {holder} sent the step record of rank {record.rank}, step {record.step}; "
+            f"expected rank {comm.rank}, step {chosen.step}"
+        )
+    agreed = digests[source]
+    if agreed is None:
+        raise CheckpointError(f"rank {source} is to heal rank {comm.rank} but sent no digest")
+    described = messages.meta(got[1], source, chosen.step, agreed[0])
+    targets, shared = _targets(state, shared, described, record)
+    return record, described, targets, shared
+
+
 def _messages(
     comm: Comm, job: str, chosen: Plan, meta: dict[str, Any] | None
-) -> tuple[Record | None, dict[str, Any]]:
+) -> tuple[bytes, bytes] | None:
     """Each lost rank receives its record from its holder and the replicated entries'
-    description from its source. Returns them (None, {} on a live rank)."""
+    description from its source. Returns them, unread (None on a live rank)."""
     held = records.held(job)
     send: dict[int, list[bytes]] = {}
     for lost in sorted(chosen.source):
@@ -175,72 +217,54 @@ def _messages(
             assert meta is not None
             send.setdefault(lost, []).append(json.dumps(meta).encode())
     # One message per pair: holder and source may be the same rank.
-    framed = {p: _frame(parts) for p, parts in send.items()}
-    senders = []
-    if comm.rank in chosen.source:
-        senders = sorted({chosen.holder[comm.rank], chosen.source[comm.rank]})
-    got = records.exchange(comm, framed, senders)
+    framed = {p: messages.frame(parts) for p, parts in send.items()}
     if comm.rank not in chosen.source:
-        return None, {}
-    parts = {p: _unframe(got[p]) for p in senders}
+        records.exchange(comm, framed, [])
+        return None
     holder, source = chosen.holder[comm.rank], chosen.source[comm.rank]
-    record = Record.decode(parts[holder].pop(0), f"rank {holder}")
-    meta_in = json.loads(parts[source].pop(0))
-    if record.rank != comm.rank or record.step != chosen.step:
-        raise CheckpointError(
-            f"rank {holder} sent the step record of rank {record.rank}, step {record.step}; "
-            f"expected rank {comm.rank}, step {chosen.step}"
-        )
-    return record, meta_in
-
-
-def _frame(parts: list[bytes]) -> bytes:
-    return b"".join(len(p).to_bytes(8, "little") + p for p in parts)
-
-
-def _unframe(data: bytes) -> list[bytes]:
-    parts, at = [], 0
-    while at < len(data):
-        n = int.from_bytes(data[at : at + 8], "little")
-        parts.append(data[at + 8 : at + 8 + n])
-        at += 8 + n
-    return parts
+    got = records.exchange(comm, framed, sorted({holder, source}))
+    if holder == source:
+        record, described = messages.unframe(got[holder], 2, holder)
+        return record, described
+    return messages.unframe(got[holder], 1, holder)[0], messages.unframe(got[source], 1, source)[0]
 
 
 def _targets(
-    state: Mapping[str, Any], shared: Captured, meta: dict[str, Any], record: Record
+    state: Mapping[str, Any], shared: Captured, meta: Meta, record: Record
 ) -> tuple[dict[str, torch.Tensor], Captured]:
     """On a lost rank: where each replicated tensor lands (the live tensor where it can,
-    else a new one), once the source's entries match this rank's state exactly; and
-    ``shared`` with any fresh optimizer's new state (`init_state`: DTensor state exists
-    to receive into)."""
+    else a new one, within `messages.fits`), once the source's entries match this rank's
+    state exactly; and ``shared`` with any fresh optimizer's new state (`init_state`:
+    DTensor state exists to receive into)."""
     names = set(shared.tree)
-    if set(meta["tree"]) != names or not set(record.header["tree"]) <= set(state):
+    if set(meta.tree) != names or not set(record.header["tree"]) <= set(state):
         raise CheckpointError(
-            f"the live replica holds entries {sorted(meta['tree'])} and the step record "
-            f"{sorted(record.header['tree'])}; this rank's state has {sorted(state)}"
+            f"the live replica on rank {meta.source} at step {meta.step} holds entries "
+            f"{sorted(meta.tree)[:20]} and the step record {sorted(record.header['tree'])[:20]}; "
+            f"this rank's state has {sorted(state)[:20]}: build the same state on every rank"
         )
     fresh = [n for n in sorted(names) if isinstance(state[n], Optimizer) and init_state(state[n])]
     shared = shared.refreshed(state, fresh)
     current = shared.tensors
+    messages.fits(state, current, meta)
     targets = {}
-    for key, dtype, shape, _ in meta["tensors"]:
-        t = None if key not in current else local(current[key])
-        wanted = torch_dtype(dtype, f"live replica: {key}")
-        if t is not None and list(t.shape) != shape:
+    for spec in meta.tensors:
+        t = None if spec.key not in current else local(current[spec.key])
+        if t is not None and list(t.shape) != spec.shape:
             raise CheckpointError(
-                f"tensor {key!r} has (local) shape {shape} on the live replica but "
-                f"{list(t.shape)} here; build the model with the same configuration and mesh"
+                f"tensor {spec.key!r} has (local) shape {spec.shape} on the live replica "
+                f"(rank {meta.source}, step {meta.step}) but {list(t.shape)} here; build "
+                "the model with the same configuration and mesh"
             )
-        if t is not None and t.device.type == "cpu" and t.is_contiguous() and t.dtype == wanted:
-            targets[key] = t
-        elif isinstance(current.get(key), DTensor):
+        if t is not None and t.device.type == "cpu" and t.is_contiguous() and t.dtype == spec.dtype:
+            targets[spec.key] = t
+        elif isinstance(current.get(spec.key), DTensor):
             raise CheckpointError(
-                f"the local part of DTensor {key!r} is not a contiguous CPU {dtype} tensor "
-                "here: it cannot receive its replica in place"
+                f"the local part of DTensor {spec.key!r} is not a contiguous CPU "
+                f"{spec.dtype} tensor here: it cannot receive its replica in place"
             )
         else:
-            targets[key] = torch.empty(shape, dtype=wanted)
+            targets[spec.key] = torch.empty(spec.shape, dtype=spec.dtype)
     return targets, shared
 
 
@@ -264,30 +288,42 @@ def _receive(comm: Comm, chosen: Plan, shared: Captured, targets: dict[str, torc
 def _load(
     state: MutableMapping[str, Any],
     shared: Captured,
-    meta: dict[str, Any],
+    meta: Meta | None,
     record: Record,
     targets: dict[str, torch.Tensor],
 ) -> None:
     """Check what arrived, then hand every entry its state: the replicated ones (lost
-    ranks only) and this rank's record."""
-    for key, _, _, xxh3 in meta.get("tensors", []):
-        verify_block(byte_view(targets[key]), xxh3, f"live replica: tensor {key!r}", " on arrival")
-    # A DTensor received its local part in place: the entry is loaded with the DTensor.
-    landed = {k: v for k, v in shared.tensors.items() if isinstance(v, DTensor)}
-    for name, encoded in meta.get("tree", {}).items():
-        _hand(state, name, decode(encoded, {**targets, **landed}))
+    ranks only: ``meta``) and this rank's record."""
+    if meta is not None:
+        for spec in meta.tensors:
+            verify_block(
+                byte_view(targets[spec.key]), spec.xxh3,
+                f"the live replica on rank {meta.source}: tensor {spec.key!r} of step "
+                f"{meta.step}", " on arrival",
+            )  # fmt: skip
+        # A DTensor received its local part in place: the entry is loaded with the DTensor.
+        landed = {k: v for k, v in shared.tensors.items() if isinstance(v, DTensor)}
+        for name, encoded in meta.tree.items():
+            what = f"the live replica on rank {meta.source} at step {meta.step}"
+            _hand(state, name, decode(encoded, {**targets, **landed}), what)
     tensors = record.tensors()
     for name, encoded in record.header["tree"].items():
         if name in state:
-            _hand(state, name, decode(encoded, tensors))
+            _hand(state, name, decode(encoded, tensors), f"the step record of step {record.step}")
 
 
-def _hand(state: MutableMapping[str, Any], name: str, value: Any) -> None:
+def _hand(state: MutableMapping[str, Any], name: str, value: Any, source: str) -> None:
     target = state[name]
-    if isinstance(target, nn.Module) or is_stateful(target):
-        target.load_state_dict(value)
-    elif isinstance(target, torch.Tensor):
-        with torch.no_grad():
-            target.copy_(value)
-    else:
-        state[name] = value
+    try:
+        if isinstance(target, nn.Module) or is_stateful(target):
+            target.load_state_dict(value)
+        elif isinstance(target, torch.Tensor):
+            with torch.no_grad():
+                target.copy_(value)
+        else:
+            state[name] = value
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(
+            f"entry {name!r} does not take its state from {source} ({str(e)[:300]}): "
+            "build the same state on every rank"
+        ) from e

@@ -18,7 +18,6 @@ nothing received runs code.
 from __future__ import annotations
 
 import json
-import math
 import struct
 import threading
 from collections.abc import Mapping
@@ -34,6 +33,8 @@ from torch.optim import Optimizer
 from unbroken.errors import CheckpointError
 from unbroken.format.layout import checksum, dtype_name, torch_dtype
 from unbroken.format.shards import byte_view
+from unbroken.format.validate import MAX_STEP, MAX_WORLD
+from unbroken.healing import messages
 from unbroken.job.comm import Comm
 from unbroken.state import capture
 
@@ -88,10 +89,13 @@ class Record:
                 raise ValueError(f"a header of {size} bytes in {len(data)}")
             header = json.loads(data[8 : 8 + size])
             payload = memoryview(data)[8 + size :]
-            _check_header(header, len(payload), where)
+            _check_header(header, len(payload))
             ok = checksum(payload) == header["xxh3"]
         except (struct.error, ValueError, KeyError, TypeError, RecursionError) as e:
-            raise CheckpointError(f"the step record from {where} is not readable: {e}") from e
+            raise CheckpointError(
+                f"the step record from {where} is not readable ({str(e)[:300]}): it cannot "
+                "heal; every rank must run the same unbroken version"
+            ) from e
         if not ok:
             raise CheckpointError(f"the step record from {where} fails its checksum")
         return cls(header, data)
@@ -108,10 +112,13 @@ class Record:
         return found
 
 
-def _check_header(header: Any, payload: int, where: str) -> None:
-    """Raise ValueError unless ``header`` has the fields a record needs, of their types,
-    and its tensor table describes exactly the ``payload`` bytes that follow it (so
-    decoding never allocates more than was received)."""
+def _check_header(header: Any, payload: int) -> None:
+    """Raise ValueError unless ``header`` has the fields a record needs, of their types;
+    its tree is one `decode` can walk (`messages.check_tree`: not too deep, placeholders
+    for exactly the tensors it lists); and its tensor table describes exactly the
+    ``payload`` bytes that follow it (so decoding never allocates more than was
+    received). Its DDP layouts are checked where they are used (`Stepper`): a bad one
+    is ignored, never a reason to refuse the record."""
     fields = {"step": int, "rank": int, "tree": dict, "tensors": list, "fingerprint": str,
               "xxh3": str}  # fmt: skip
     if not isinstance(header, dict):
@@ -119,21 +126,13 @@ def _check_header(header: Any, payload: int, where: str) -> None:
     for name, kind in fields.items():
         if not isinstance(header.get(name), kind) or isinstance(header.get(name), bool):
             raise ValueError(f"field {name!r} is missing or not a {kind.__name__}")
-    total = 0
-    for entry in header["tensors"]:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
-            raise ValueError(f"tensor entry {str(entry)[:80]} is not [name, dtype, shape]")
-        key, dtype, shape = entry
-        size = torch_dtype(dtype, f"the step record from {where}: {key}").itemsize
-        if not (isinstance(shape, list) and len(shape) <= 64) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 48 for n in shape
-        ):
-            raise ValueError(f"tensor {key!r} has an impossible shape {str(shape)[:80]}")
-        total += math.prod(shape) * size
-        if total > payload:
-            break
+    if not (0 <= header["step"] <= MAX_STEP and 0 <= header["rank"] <= MAX_WORLD):
+        raise ValueError(f"step {header['step']} or rank {header['rank']} is out of range")
+    specs = messages.check_table(header["tensors"], checksums=False)
+    total = sum(spec.nbytes for spec in specs)
     if total != payload:
         raise ValueError(f"its tensors need {total} bytes, it carries {payload}")
+    messages.check_tree(header["tree"], [spec.key for spec in specs])
 
 
 def fingerprint(state: Mapping[str, Any]) -> str:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 from unbroken.errors import CheckpointError
-from unbroken.healing import ddp_buckets, live, records
+from unbroken.healing import ddp_buckets, live, messages, records
 from unbroken.healing.records import Record
 from unbroken.job.comm import Comm
 from unbroken.memory.tier import MemoryTier
@@ -83,31 +83,70 @@ class Stepper:
 
     def agree_layouts(self, state: Mapping[str, Any], memory: MemoryTier | None) -> None:
         """Every rank proposes the layouts it knows (its record, a record it holds, its
-        shared memory); all take the first proposal in rank order, so the wrappers of
-        every rank get the same layout or none. Collective."""
-        proposal = self._known(memory)
-        chosen = next((p for p in self.comm.all_gather(proposal) if p), None)
-        if chosen:
-            self.tracker.owe(state, chosen)
+        shared memory); all take the first proposal in rank order that fits the state, so
+        the wrappers of every rank get the same layout or none. A malformed one (from a
+        file or a peer) is passed over with a warning: it never breaks a restore.
+        Collective."""
+        proposals = self.comm.all_gather(self._known(state, memory))
+        for rank, proposal in enumerate(proposals):
+            chosen = _fitting(proposal, state, f"the DDP layouts rank {rank} proposed")
+            if chosen:
+                self.tracker.owe(state, chosen)
+                return
 
-    def _known(self, memory: MemoryTier | None) -> dict[str, Any] | None:
-        mine = records.own(self.job, self.comm.rank)
-        if mine is not None and mine.header.get("layouts"):
-            return dict(mine.header["layouts"])
-        for steps in records.held(self.job).values():
-            for data in steps.values():
-                layouts = Record.decode(data, "a held record").header.get("layouts")
-                if layouts:
-                    return dict(layouts)
-        if memory is not None:
-            try:
-                with open(os.path.join(memory.dir, LAYOUTS_FILE)) as f:
-                    noted = json.load(f)
-                if noted.get("job") == self.job and isinstance(noted.get("layouts"), dict):
-                    return dict(noted["layouts"])
-            except (OSError, ValueError):
-                pass
+    def _known(self, state: Mapping[str, Any], memory: MemoryTier | None) -> Layouts | None:
+        for raw, where in self._candidates(memory):
+            layouts = _fitting(raw, state, where)
+            if layouts:
+                return layouts
         return None
+
+    def _candidates(self, memory: MemoryTier | None) -> Iterator[tuple[Any, str]]:
+        """The layouts this rank knows of, unchecked, each with where it came from."""
+        mine = records.own(self.job, self.comm.rank)
+        if mine is not None:
+            yield mine.header.get("layouts"), f"the DDP layouts of this rank's step {mine.step}"
+        for owner, steps in records.held(self.job).items():
+            for step, data in steps.items():
+                layouts = Record.decode(data, f"rank {owner}").header.get("layouts")
+                yield layouts, f"the DDP layouts in rank {owner}'s step record of step {step}"
+        if memory is not None:
+            path = os.path.join(memory.dir, LAYOUTS_FILE)
+            try:
+                yield _noted(path, self.job), path
+            except ValueError as e:
+                log.warning("ignoring %s: %s (not a DDP bucket layout of this job)", path, e)
 
     def stop(self) -> None:
         self.tracker.stop()
+
+
+Layouts = dict[str, ddp_buckets.Layout]
+
+
+def _fitting(raw: Any, state: Mapping[str, Any], where: str) -> Layouts | None:
+    """``raw`` as layouts if it is some and fits ``state``, else None (with a warning
+    naming ``where`` if it is malformed)."""
+    if not raw:
+        return None
+    try:
+        return ddp_buckets.check_layouts(raw, state)
+    except ValueError as e:
+        log.warning("ignoring %s: %s (not a DDP bucket layout of this state)", where, e)
+        return None
+
+
+def _noted(path: str, job: str) -> Any:
+    """The layouts noted in the shared-memory file ``path`` for ``job`` (unchecked), None
+    if there is none; ValueError if it is not a file `Stepper.observe` wrote."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ValueError(f"it cannot be read ({e})") from None
+    noted = messages.json_object(data)
+    if "layouts" not in noted:
+        raise ValueError("it names no layouts")
+    return noted["layouts"] if noted.get("job") == job else None

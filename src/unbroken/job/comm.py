@@ -48,6 +48,7 @@ T = TypeVar("T")
 # How gloo and torch's store say that the other end of a connection is gone.
 _GONE = ("connection closed", "connection reset", "broken pipe", "read error", "write error")
 _LET_GO_S = 1.0  # gloo lets go microseconds after an operation ends; past this, give up
+CLOSE_WAIT_S = 10.0  # ranks closing together arrive within this; past it a peer is not
 
 
 class Comm:
@@ -170,9 +171,21 @@ class Comm:
         return result, [row[1] for row in rows]
 
     def close(self) -> None:
-        if self.group is not None and dist.is_initialized():
-            dist.destroy_process_group(self.group)
-            self.group = None
+        """Release the group, the ranks agreeing to first (bounded by `CLOSE_WAIT_S`).
+
+        A rank's DataLoader workers, forked after the group connected, hold copies of its
+        sockets, so its peers see its connections end only when those workers exit, at a
+        moment of their own; gloo ends the process (std::terminate in its event loop,
+        "state_ <= CONNECTED") if that moment falls inside a peer's destroy. Destroyed
+        together, the group is gone on every rank before any such moment."""
+        if self.group is None or not dist.is_initialized():
+            return
+        if self.lost is None:
+            with contextlib.suppress(Exception):  # a peer that is not closing: go on alone
+                wait = timedelta(seconds=CLOSE_WAIT_S)
+                dist.monitored_barrier(self.group, timeout=wait, wait_all_ranks=False)
+        dist.destroy_process_group(self.group)
+        self.group = None
 
 
 class Transfers:

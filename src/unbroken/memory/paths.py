@@ -1,11 +1,24 @@
 """Names and housekeeping of the shared-memory tier's folders: a job's folder name, the
-rank a folder is named for, and removing the memory of jobs whose processes are gone."""
+rank a folder is named for, the root they live in, and removing the memory of jobs whose
+processes are gone.
+
+A job's folder name is its name made safe for a file name *and* a hash of the name
+itself, so two names that read alike once sanitised (``exp/1``, ``exp_1``) never share a
+folder. The root is this user's (``/dev/shm/unbroken-<uid>`` by default): a root that
+another user owns, or that others may write into without the sticky bit, is refused,
+since whoever controls it can swap the folders inside for their own.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
+import stat
+
+from unbroken.access import Access
+from unbroken.errors import CheckpointError
 
 log = logging.getLogger("unbroken")
 
@@ -16,48 +29,93 @@ def rank_of(name: str) -> int | None:
     return int(name[5:])
 
 
-def safe(job: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "job"
+def job_name(location: str) -> str:
+    """The default job name of checkpoints at ``location``: torchrun's run id (not its
+    ``"none"``, which every job without ``--rdzv-id`` shares) and the location, made
+    absolute, so two jobs that both say ``"ckpt"`` in different folders never meet."""
+    where = location if "://" in location else os.path.abspath(location)
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return where if run in ("", "none") else f"{run}:{where}"
 
 
-def shared_root(root: str) -> None:
-    """Create the node's shared-memory root if missing, like ``/tmp``: every user may make
-    a folder in it (each job's own is private: `unbroken.access`), none may remove
-    another's (the sticky bit)."""
-    if os.path.isdir(root):
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
-    try:
-        os.mkdir(root, 0o700)
-    except FileExistsError:
-        return  # another rank made it at the same moment
-    os.chmod(root, 0o1777)
+def folder_name(job: str) -> str:
+    """The job's folder: readable, and distinct for distinct names (a hash of the name)."""
+    readable = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)[-48:].lstrip(".")
+    return f"{readable or 'job'}-{hashlib.sha256(job.encode()).hexdigest()[:16]}"
+
+
+def private_root(root: str, access: Access) -> None:
+    """Create the root if missing (this user's, with ``access``'s folder mode), and refuse
+    one that is a symlink, belongs to another user, or lets others write into it without
+    the sticky bit (``/dev/shm`` itself, root's and sticky, is fine)."""
+    access.makedirs(root)
+    info = os.lstat(root)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise CheckpointError(
+            f"{root} is not a folder (a symlink?); remove it or set UNBROKEN_MEMORY_DIR"
+        )
+    mine = info.st_uid == os.geteuid()
+    sticky = info.st_mode & stat.S_ISVTX and (mine or info.st_uid == 0)
+    if not (mine or sticky) or (info.st_mode & stat.S_IWOTH and not sticky):
+        raise CheckpointError(
+            f"{root} (owner uid {info.st_uid}, mode {info.st_mode & 0o7777:o}) is not this "
+            f"user's (uid {os.geteuid()}): whoever controls it could swap the snapshots in it. "
+            "Remove it, or point UNBROKEN_MEMORY_DIR at a folder of your own"
+        )
+
+
+def owner_text() -> str:
+    """What a rank's ``owner-<rank>`` file says: its pid, and the pid namespace and host
+    that number means something in."""
+    return f"{os.getpid()} {_namespace()}"
 
 
 def clean_abandoned(root: str, job: str) -> None:
-    """Remove the shared memory of other jobs whose processes are all gone."""
+    """Remove the shared memory of other jobs whose processes are all gone. A job whose
+    owners live in another pid namespace (a container sharing ``/dev/shm``) or another
+    host is left alone: its pids cannot be judged from here."""
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return
     for name in names:
         folder = os.path.join(root, name)
-        if name == safe(job) or not os.path.isdir(folder):
+        if name == folder_name(job) or not _plain_dir(folder):
             continue
         try:
-            names_in = os.listdir(folder)
+            owners = [f for f in os.listdir(folder) if f.startswith("owner-")]
         except OSError:  # another user's job: private, and not ours to clean
             continue
-        pids = []
-        for owner in (f for f in names_in if f.startswith("owner-")):
-            try:
-                with open(os.path.join(folder, owner)) as f:
-                    pids.append(int(f.read()))
-            except (OSError, ValueError):
-                continue
-        if pids and not any(process_exists(pid) for pid in pids):
+        pids = [_pid_here(os.path.join(folder, owner)) for owner in owners]
+        if pids and all(pid is not None and not process_exists(pid) for pid in pids):
             log.info("removing shared memory of abandoned job %s", name)
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _plain_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _pid_here(path: str) -> int | None:
+    """The pid an owner file names, if it is one of this namespace and host; else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            pid, _, where = f.read(256).partition(" ")
+        return int(pid) if where.strip() == _namespace() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _namespace() -> str:
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = "pid:?"
+    return f"{ns}@{os.uname().nodename}"
 
 
 def process_exists(pid: int) -> bool:

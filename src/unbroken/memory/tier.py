@@ -34,7 +34,7 @@ from unbroken.format.layout import Manifest, verify_block
 from unbroken.format.shards import byte_view
 from unbroken.format.validate import snapshot_description
 from unbroken.memory.partners import partners, replica_layout
-from unbroken.memory.paths import clean_abandoned, rank_of, safe, shared_root
+from unbroken.memory.paths import clean_abandoned, folder_name, owner_text, private_root, rank_of
 
 __all__ = ["OWN_SLOTS", "Block", "MemoryTier", "Slots", "partners", "replica_layout"]
 
@@ -62,7 +62,7 @@ class Slots:
     ) -> None:
         self.dir, self.job, self.owner, self.world_size = directory, job, owner, world_size
         self.count, self.access = count, access or Access.from_env()
-        self.access.makedirs(directory)
+        self.access.own_dir(directory)  # a symlink planted in its place is refused
         self._buffers: dict[int, torch.Tensor] = {}
         self._published: dict[int, tuple[int, str]] = {}  # slot -> (step, manifest JSON)
         self._writing: set[int] = set()  # begun, not yet released
@@ -99,7 +99,7 @@ class Slots:
             except OSError:
                 self.release(slot)
                 raise
-            current = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+            current = _mapped(path, max(nbytes, 1))
             self._buffers[slot] = current
         return slot, current
 
@@ -144,8 +144,8 @@ class Slots:
                 manifest = self._load(slot)
                 if manifest is None:
                     continue
-                with open(self._path(slot, "json"), "rb") as f:
-                    published = (manifest.step, snapshot_description(f.read())[2].decode())
+                text = snapshot_description(_read(self._path(slot, "json")))[2].decode()
+                published = (manifest.step, text)
             if published[0] == step:
                 buffer = self._buffers.get(slot)
                 return published[1], buffer if buffer is not None else self._map(slot)
@@ -153,8 +153,7 @@ class Slots:
 
     def _map(self, slot: int) -> torch.Tensor:
         path = self._path(slot, "bin")
-        size = max(os.path.getsize(path), 1)
-        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        return _mapped(path, max(os.lstat(path).st_size, 1))
 
     def whole(self) -> dict[int, tuple[int, Manifest]]:
         """``{step: (slot, manifest)}`` for every whole slot of this job, rank and world
@@ -181,9 +180,9 @@ class Slots:
         buffer = self._buffers.get(slot)
         buffer = buffer if buffer is not None else self._map(slot)
         for key, entry in manifest.tensors.items():
-            chunk = entry.chunks[0]
-            view = byte_view(buffer[chunk.start : chunk.end])
-            verify_block(view, chunk.xxh3, f"{self._path(slot, 'bin')}: tensor {key!r}")
+            for chunk in entry.chunks:  # every one: an unchecked byte never reaches the state
+                view = byte_view(buffer[chunk.start : chunk.end])
+                verify_block(view, chunk.xxh3, f"{self._path(slot, 'bin')}: tensor {key!r}")
         return manifest, buffer
 
     def intact(self, step: int) -> Manifest | None:
@@ -199,8 +198,7 @@ class Slots:
     def _load(self, slot: int) -> Manifest | None:
         where = self._path(slot, "json")
         try:
-            with open(where, "rb") as f:
-                job, rank, text = snapshot_description(f.read())
+            job, rank, text = snapshot_description(_read(where))
             manifest = Manifest.from_json(text, where)
         except (OSError, ValueError, CheckpointError):  # missing, unreadable, malformed
             return None
@@ -210,7 +208,7 @@ class Slots:
             return None
         data = self._path(slot, "bin")
         try:
-            size = os.path.getsize(data)
+            size = os.lstat(data).st_size
         except FileNotFoundError:
             return None
         if size != manifest.files.get(os.path.basename(data)):
@@ -227,8 +225,8 @@ class MemoryTier:
     ) -> None:
         self.job, self.rank, self.world_size = job, rank, world_size
         self.access = access or Access.from_env()
-        self.root = os.path.join(root, safe(job))
-        shared_root(root)
+        self.root = os.path.join(root, folder_name(job))
+        private_root(root, self.access)
         self.access.own_dir(self.root)  # only this user's: see `unbroken.access`
         clean_abandoned(root, job)
         own = os.path.join(self.root, f"rank-{rank:05d}")
@@ -236,11 +234,12 @@ class MemoryTier:
         self.dir = self.own.dir
         self._replicas: dict[int, Slots] = {}
         self._others: dict[str, Slots] = {}  # folders of other rank numbers, by path
-        self.access.write_text(os.path.join(self.root, f"owner-{rank:05d}"), str(os.getpid()))
+        self.access.write_text(os.path.join(self.root, f"owner-{rank:05d}"), owner_text())
 
     def replica(self, owner: int) -> Slots:
         """The slots holding this rank's replica of rank ``owner``'s snapshots."""
         if owner not in self._replicas:
+            self.access.own_dir(os.path.join(self.root, "replicas"))
             directory = os.path.join(self.root, "replicas", f"rank-{owner:05d}")
             # received on the save worker, one at a time, published before the next: two do
             self._replicas[owner] = Slots(
@@ -321,6 +320,23 @@ class MemoryTier:
         shutil.rmtree(self.own.dir, ignore_errors=True)
         for slots in self._replicas.values():
             shutil.rmtree(slots.dir, ignore_errors=True)
+
+
+def _mapped(path: str, nbytes: int) -> torch.Tensor:
+    """``path`` mapped shared, never through a symlink: the file is opened without
+    following one, and mapped through that descriptor."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> bytes:
+    """A slot's description, never through a symlink."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 def _renamed(manifest: Manifest, file: str) -> str:

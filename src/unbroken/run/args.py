@@ -204,7 +204,9 @@ def parse(argv: list[str]) -> RunOptions:
     nnodes = _int(str(targs.nnodes).split(":")[-1])
     multi = nnodes if nnodes is not None and nnodes > 1 else None
     _check_targets(parser, faults, ours.simulate_nodes or multi, nproc, targs)
-    if problem := script_problem(script[0], module=targs.module, no_python=targs.no_python):
+    problem = script_problem(script[0], module=targs.module, no_python=targs.no_python)
+    problem = problem or output_problem(ours.timeline_json)
+    if problem:
         print(f"unbroken run: error: {problem}", file=sys.stderr)
         raise SystemExit(2)
     return RunOptions(
@@ -273,6 +275,23 @@ def script_problem(script: str, *, module: bool, no_python: bool) -> str | None:
         return f"{script} is a directory; give the training script (a .py file) inside it"
     if not path.is_file():
         return f"{script}: no such file (relative to {Path.cwd()}); check the script's path"
+    return None
+
+
+def output_problem(path: Path | None) -> str | None:
+    """Why ``--timeline-json PATH`` could not be written at the job's end (None if it
+    can): checked before training starts, not found out after it ends."""
+    if path is None:
+        return None
+    folder = path.absolute().parent
+    if path.is_symlink():  # unbroken writes through no link (`unbroken.access`)
+        return f"--timeline-json {path} is a symbolic link; give the path of a file to write"
+    if path.is_dir():
+        return f"--timeline-json {path} is a directory; give the path of a file to write"
+    if not folder.is_dir():
+        return f"--timeline-json {path}: the folder {folder} does not exist; create it first"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"--timeline-json {path}: the folder {folder} is not writable"
     return None
 
 

@@ -11,6 +11,7 @@ giving up) escalates from the signal to SIGKILL after `STOP_GRACE_S`.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Protocol
 
+from unbroken.access import Access
 from unbroken.run import args
 from unbroken.run.args import RunOptions
 from unbroken.run.procs import kill_tree
@@ -93,8 +95,9 @@ def drive(opts: RunOptions, make: Callable[[str], Job], what: str) -> int:
             job.cleanup()
     print(job.timeline.summary(), file=sys.stderr, flush=True)
     say(f"events in {heartbeat_dir}; goodput: unbroken goodput {heartbeat_dir}")
-    if opts.ours.timeline_json is not None:
-        opts.ours.timeline_json.write_text(json.dumps(job.timeline.to_json(code), indent=1))
+    if opts.ours.timeline_json is not None:  # 0600 whatever the umask, as the event logs
+        text = json.dumps(job.timeline.to_json(code), indent=1)
+        Access.from_env().write_text(os.fspath(opts.ours.timeline_json), text)
     return code
 
 

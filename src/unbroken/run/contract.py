@@ -22,8 +22,10 @@ RUN_DIR_ENV = "UNBROKEN_RUN_DIR"  # `unbroken run`: the run directory to use (ne
 
 # -- shared memory ----------------------------------------------------------------------
 
-DEFAULT_MEMORY_ROOT = "/dev/shm/unbroken"  # snapshots, where MEMORY_DIR_ENV is not set
-SIM_MEMORY_ROOT = "/dev/shm/unbroken-sim"  # simulated nodes: <job>/node-<i> below it
+# Each user's own (0700), never one shared folder: whoever owns a folder can swap what is
+# in it, sticky bit or not.
+DEFAULT_MEMORY_ROOT = f"/dev/shm/unbroken-{os.geteuid()}"  # where MEMORY_DIR_ENV is not set
+SIM_MEMORY_ROOT = f"/dev/shm/unbroken-sim-{os.geteuid()}"  # simulated nodes: <job>/node-<i>
 
 # -- store keys (the launcher's TCPStore, read by workers) ------------------------------
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import uuid
 
+from unbroken.access import Access
 from unbroken.run.contract import SIM_MEMORY_ROOT
 
 
@@ -21,7 +22,7 @@ class NodeMemory:
         return os.path.join(self.root, f"node-{node}")
 
     def create(self, node: int) -> str:
-        os.makedirs(self.path(node), exist_ok=True)
+        Access.from_env().makedirs(self.path(node))  # private, whatever the umask
         return self.path(node)
 
     def lose(self, node: int) -> str:
@@ -30,7 +31,7 @@ class NodeMemory:
         the returned path, which frees the pages and takes a while."""
         lost = f"{self.path(node)}.lost-{uuid.uuid4().hex[:8]}"
         os.rename(self.path(node), lost)
-        os.makedirs(self.path(node))
+        Access.from_env().makedirs(self.path(node))
         return lost
 
     def remove(self) -> None:

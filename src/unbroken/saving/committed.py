@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format.directory import Directory
 from unbroken.format.layout import step_dir
 from unbroken.format.validate import info_fields
@@ -113,17 +113,11 @@ class Collector:
             self._known.pop(step, None)
 
     def _collect(self) -> list[int]:
-        """Delete what retention lets go of the steps not known damaged, once the newest
-        of those, the one the others are deleted for, is whole (its manifest, and every
-        file at its size: a request per file of one step, never a listing)."""
-        while True:
-            with self._lock:
-                infos = [i for s, i in sorted(self._known.items()) if s not in self._damaged]
-                victims = doomed(self.rule, infos)
-            if not victims or self._whole(infos[-1].step):
-                break
+        """Delete what retention lets go of the steps not known damaged (see `let_go`)."""
+        with self._lock:
+            infos = [i for s, i in sorted(self._known.items()) if s not in self._damaged]
         deleted = []
-        for step in victims:
+        for step in let_go(self.directory, self.rule, infos, self.damaged):
             with self._lock:
                 if self._paused:
                     break  # a restore is reading: tried again after the next save
@@ -132,19 +126,6 @@ class Collector:
             self.forget(step)
             deleted.append(step)
         return deleted
-
-    def _whole(self, step: int) -> bool:
-        source = StorageSource(self.directory, step)
-        try:
-            manifest = source.open()
-            source.check(manifest, set(manifest.files))
-            return True
-        except CheckpointError as e:
-            log.error(
-                "%s: step %d is damaged (%s); retention keeps older steps", self.directory, step, e
-            )
-            self.damaged(step)
-            return False
 
     def wait(self) -> None:
         """Until the deletions asked for so far are done (errors are logged, not raised:
@@ -174,12 +155,41 @@ class Collector:
             self._thread.shutdown(wait=True)
 
 
+def let_go(
+    directory: Directory,
+    rule: Retention | None,
+    infos: Sequence[Info],
+    damaged: Callable[[int], None] = lambda step: None,
+) -> list[int]:
+    """The steps of ``infos`` (committed, oldest first) that ``rule`` lets go, once the
+    newest of them, the one the others are deleted for, is whole: its manifest, and every
+    file at its size (a request per file of one step, never a listing). A newest step that
+    is not is kept, no longer counted (``damaged`` is told), and the next newest checked in
+    its place: what is left can always be restored. What ``keep=`` and ``unbroken gc`` do."""
+    infos = list(infos)
+    while (victims := doomed(rule, infos)) and not whole(directory, infos[-1].step):
+        damaged(infos.pop().step)
+    return victims
+
+
+def whole(directory: Directory, step: int) -> bool:
+    """Whether committed ``step`` is whole (see `let_go`); the damage found is logged."""
+    source = StorageSource(directory, step)
+    try:
+        manifest = source.open()
+        source.check(manifest, set(manifest.files))
+        return True
+    except CheckpointError as e:
+        log.error("%s: step %d is damaged (%s); retention keeps older steps", directory, step, e)
+        return False
+
+
 def read_info(directory: Directory, step: int) -> Info:
     """What retention knows of a committed ``step``: its info file, or its manifest's
     time for a step saved before there were info files."""
     try:
         return Info(step, *info_fields(directory.storage.read(f"{step_dir(step)}/{INFO}")))
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+    except (FileNotFoundError, CorruptCheckpointError, ValueError, KeyError, TypeError):
         return Info(step, directory.manifest(step).created)
 
 

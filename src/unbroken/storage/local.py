@@ -1,18 +1,38 @@
-"""Local file system (and NFS): fsync'd writes, commit by exclusive hard link."""
+"""Local file system (and NFS): fsync'd writes, commit by exclusive hard link.
+
+A checkpoint folder may hold what someone else put there, so nothing in it steers a
+write or a delete outside it: below the root, writes and deletes go one folder at a time
+from an open descriptor of the root (``openat``), never through a symbolic link. A write
+through a link is refused with the link's path; deleting a link removes the link, never
+what it points to (a fine-tune run whose step folder links a pre-training step leaves
+that step whole). Reads refuse a file that is a link (``O_NOFOLLOW``), so that no link
+shows the bytes of a file outside the checkpoint; they may go through a linked folder,
+whose files are then checked against the manifest like any others. The root itself is
+the user's choice and may be reached through links.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import errno
+import logging
 import mmap
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Sequence
 
 from unbroken.access import Access
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, CorruptCheckpointError, StorageError
 from unbroken.run import faults
+
+log = logging.getLogger("unbroken")
+
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class LocalStorage:
@@ -33,9 +53,17 @@ class LocalStorage:
         return os.path.join(self.root, path)
 
     def write(self, path: str, parts: Sequence[memoryview | bytes]) -> None:
-        full = self._full(path)
-        self.access.makedirs(os.path.dirname(full))
-        fd = self.access.open(full, os.O_WRONLY | os.O_TRUNC)
+        folder, name = self._folder(path)
+        try:
+            self._write_at(folder, name, self._full(path), parts)
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+    def _write_at(
+        self, folder: int, name: str, full: str, parts: Sequence[memoryview | bytes]
+    ) -> None:
+        fd = self._create(folder, name, full)
         try:
             offset = 0
             for part in parts:
@@ -48,34 +76,63 @@ class LocalStorage:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(os.path.dirname(full))
+
+    def _create(self, folder: int, name: str, full: str) -> int:
+        """``name`` in ``folder`` opened empty for writing, with this storage's mode: a
+        file of its own, never a link's target nor a file with another name elsewhere."""
+        mode = self.access.file_mode
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | _NOFOLLOW, mode, dir_fd=folder)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _linked(full, full) from None
+            raise
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+                raise StorageError(
+                    f"{full} is not a file of this checkpoint's own (a hard link, a device or "
+                    f"a pipe): writing it could change a file elsewhere; remove it, or save "
+                    f"to another folder"
+                )
+            os.fchmod(fd, mode)
+            os.ftruncate(fd, 0)  # only now: a refused file keeps its bytes
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def commit(self, path: str, data: bytes) -> None:
-        # link() fails if the target exists, so a commit never replaces another one.
-        self._publish(path, data, os.link)
+        # link() fails if the target exists (a link too), so a commit never replaces another.
+        self._publish(path, data, _link_at)
 
     def replace(self, path: str, data: bytes) -> None:
-        self._publish(path, data, os.replace)
+        # rename() replaces a link planted under the name, never what it points to.
+        self._publish(path, data, _replace_at)
 
-    def _publish(self, path: str, data: bytes, move: Callable[[str, str], None]) -> None:
-        """Write ``data`` durably under a temporary name, then ``move`` it into place."""
-        full = self._full(path)
-        tmp = f"{full}.{uuid.uuid4().hex}.tmp"
-        self.write(os.path.relpath(tmp, self.root), [data])
+    def _publish(self, path: str, data: bytes, move: Callable[[str, str, int], None]) -> None:
+        """Write ``data`` durably under a temporary name, then ``move`` it into place,
+        both in the one folder opened for it."""
+        folder, name = self._folder(path)
+        tmp = f"{name}.{uuid.uuid4().hex}.tmp"
         try:
-            move(tmp, full)
+            self._write_at(folder, tmp, self._full(path), [data])
+            try:
+                move(tmp, name, folder)
+            finally:
+                with contextlib.suppress(FileNotFoundError):  # gone if it was moved
+                    os.unlink(tmp, dir_fd=folder)
+            os.fsync(folder)
         finally:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-        _fsync_dir(os.path.dirname(full))
+            os.close(folder)
 
     def read(self, path: str) -> bytes:
-        with open(self._full(path), "rb") as f:
+        with os.fdopen(self._open(path), "rb") as f:
             return f.read()
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         view = out.cast("B")
-        fd = os.open(self._full(path), os.O_RDONLY)
+        fd = self._open(path)
         try:
             while view:
                 n = os.preadv(fd, [view], offset)
@@ -93,7 +150,7 @@ class LocalStorage:
         while the view lives (a committed checkpoint's files never change); `EOFError` if
         it is short now."""
         full = self._full(path)
-        fd = os.open(full, os.O_RDONLY)
+        fd = self._open(path)
         try:
             if os.fstat(fd).st_size < offset + length:
                 raise EOFError(f"{full} ends before byte {offset + length}")
@@ -112,8 +169,22 @@ class LocalStorage:
             os.close(fd)
         return memoryview(mapped)[skip:]
 
+    def _open(self, path: str) -> int:
+        """``path`` opened for reading; `CorruptCheckpointError` if it is a link."""
+        full = self._full(path)
+        try:
+            return os.open(full, os.O_RDONLY | _NOFOLLOW)
+        except OSError as e:
+            if e.errno == errno.ELOOP and os.path.islink(full):
+                raise _unfollowed(full) from None
+            raise
+
     def size(self, path: str) -> int:
-        return os.stat(self._full(path)).st_size
+        full = self._full(path)
+        info = os.stat(full, follow_symlinks=False)
+        if stat.S_ISLNK(info.st_mode):
+            raise _unfollowed(full)
+        return info.st_size
 
     def list(self, path: str) -> list[str]:
         try:
@@ -122,11 +193,55 @@ class LocalStorage:
             return []
 
     def delete(self, path: str) -> None:
-        full = self._full(path)
-        if os.path.isdir(full):
-            shutil.rmtree(full, ignore_errors=True)
-        elif os.path.lexists(full):
-            os.unlink(full)
+        """Remove ``path`` and all it holds. A link is removed itself, never what it points
+        to; a path that goes through a linked folder is not this storage's to delete, and
+        is left (deleting the link's own name removes the link)."""
+        if not path.strip("/"):
+            shutil.rmtree(self.root, ignore_errors=True)
+            return
+        try:
+            folder, name = self._folder(path, create=False)
+        except (FileNotFoundError, NotADirectoryError, StorageError):
+            return  # a folder on the way is absent, a file, or a link (StorageError)
+        try:
+            mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):  # rmtree by descriptors: it never follows a link inside
+                shutil.rmtree(name, ignore_errors=True, dir_fd=folder)
+                return
+            if stat.S_ISLNK(mode):
+                log.info("removing the link %s, not what it points to", self._full(path))
+            os.unlink(name, dir_fd=folder)
+        except FileNotFoundError:
+            pass  # deleting what is absent is no error
+        finally:
+            os.close(folder)
+
+    def _folder(self, path: str, create: bool = True) -> tuple[int, str]:
+        """An open descriptor of the folder of ``path`` and the last name of ``path``.
+        Reached from the root one folder at a time, none opened through a link, so that
+        no link on the way (one swapped in meanwhile too) sends what follows elsewhere:
+        a link there raises `StorageError` naming it. ``create``: make missing folders."""
+        *folders, name = _names(path)
+        if create:
+            self.access.makedirs(self.root)
+        fd = os.open(self.root, _FOLDER)
+        try:
+            for depth, folder in enumerate(folders):
+                if create:
+                    _mkdir(fd, folder, self.access.dir_mode)
+                try:
+                    sub = os.open(folder, _FOLDER | os.O_NOFOLLOW, dir_fd=fd)
+                except NotADirectoryError:  # what O_NOFOLLOW gives for a link, with O_DIRECTORY
+                    here = os.path.join(self.root, *folders[: depth + 1])
+                    if os.path.islink(here):
+                        raise _linked(here, self._full(path)) from None
+                    raise
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, name
 
     def __repr__(self) -> str:
         return f"LocalStorage({self.root!r})"
@@ -157,9 +272,48 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
 _start_writeback = _writeback_starter()
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _names(path: str) -> list[str]:
+    """The names along ``path``, refused if one would leave the folder it is in."""
+    names = [name for name in path.split("/") if name]
+    if not names or any(name in (".", "..") for name in names):
+        raise CheckpointError(f"{path!r} is not a path of a file inside the checkpoint folder")
+    return names
+
+
+def _mkdir(folder: int, name: str, mode: int) -> None:
+    """Make the folder ``name`` in ``folder`` with ``mode`` whatever the umask; one that
+    exists keeps its mode (another rank may have made it at the same moment)."""
     try:
-        os.fsync(fd)
+        os.mkdir(name, mode, dir_fd=folder)
+    except FileExistsError:
+        return  # a folder, or what opening it next refuses (a link, a file)
+    fd = os.open(name, _FOLDER | os.O_NOFOLLOW, dir_fd=folder)
+    try:
+        os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+def _link_at(tmp: str, name: str, folder: int) -> None:
+    os.link(tmp, name, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
+
+
+def _replace_at(tmp: str, name: str, folder: int) -> None:
+    os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+
+
+def _linked(link: str, full: str) -> StorageError:
+    return StorageError(
+        errno.ELOOP,
+        f"{link} is a symbolic link; unbroken does not write through links in a checkpoint "
+        f"folder (writing {full} could change a file outside it): remove the link, or save "
+        f"to another folder",
+    )
+
+
+def _unfollowed(full: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{full} is a symbolic link, not a file unbroken wrote; links in a checkpoint folder "
+        f"are not followed (one could show any file this user may read): replace it with a "
+        f"copy of the file it names, or remove it"
+    )

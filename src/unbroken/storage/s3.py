@@ -39,7 +39,7 @@ from unbroken.storage.s3_errors import (
     no_such_bucket,
     s3_error,
 )
-from unbroken.storage.s3_options import S3Options, addressing
+from unbroken.storage.s3_options import S3Options, addressing, with_environment
 
 __all__ = ["MIN_PART", "S3Options", "S3Storage", "upload_parts"]
 
@@ -55,7 +55,7 @@ class S3Storage:
             raise CheckpointError(f"{uri}: name a bucket, as in s3://bucket/prefix")
         self.uri = uri.rstrip("/")
         self.bucket, self.prefix = bucket, prefix.strip("/")
-        self.options = options
+        self.options = options = with_environment(options)
         config: dict[str, Any] = {"virtual_hosted_style_request": not options.uses_path_style}
         if options.endpoint:
             config["endpoint"] = self._bucket_endpoint()

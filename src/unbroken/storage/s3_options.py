@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field, fields
+import os
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from unbroken.errors import CheckpointError
+
 _MIB = 1 << 20
+# Where an endpoint comes from when no option names one: the AWS SDKs' variables (the S3
+# one first), then object_store's; and object_store's opt-in to plain HTTP.
+ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+ALLOW_HTTP_ENV = "AWS_ALLOW_HTTP"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,7 +26,8 @@ class S3Options:
     Requests use TLS: an ``http://`` endpoint is refused unless its host is a loopback
     address (``127.0.0.0/8``, ``::1``, ``localhost``: a server on this machine, allowed by
     default) or ``allow_http=True`` says plain HTTP is wanted (credentials' signatures and
-    the checkpoint's bytes then cross the network unencrypted)."""
+    the checkpoint's bytes then cross the network unencrypted). Without an ``endpoint``,
+    the environment's applies (`with_environment`)."""
 
     endpoint: str | None = None  # e.g. "http://127.0.0.1:7480"; default: AWS
     allow_http: bool = False  # plain HTTP to an endpoint that is not loopback
@@ -70,6 +78,31 @@ class S3Options:
         if unknown := sorted(set(options) - known):
             raise ValueError(f"unknown S3 storage options {unknown}; known: {sorted(known)}")
         return cls(**options)
+
+
+def with_environment(options: S3Options) -> S3Options:
+    """``options`` with the endpoint the environment names (`ENDPOINT_ENV`) when they
+    name none, on the same rule: plain HTTP to a host that is not this machine needs
+    ``AWS_ALLOW_HTTP=true``, as an option's needs ``allow_http=True``.
+
+    obstore reads these variables itself, but unbroken must know the endpoint to address
+    the bucket (path-style on an IP address) and to name it in errors, and the client
+    options unbroken passes would drop the environment's ``AWS_ALLOW_HTTP``."""
+    if options.endpoint:
+        return options
+    found = [(name, os.environ[name]) for name in ENDPOINT_ENV if os.environ.get(name)]
+    if not found:
+        return options
+    name, endpoint = found[0]
+    allow = os.environ.get(ALLOW_HTTP_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    if _plain_remote(endpoint) and not allow:
+        raise CheckpointError(
+            f"{name}={endpoint} is plain HTTP to a host that is not this machine: "
+            "credentials and checkpoints would cross the network unencrypted. Use "
+            f"https://, or set {ALLOW_HTTP_ENV}=true (storage option allow_http=True) if "
+            "that is what you want"
+        )
+    return replace(options, endpoint=endpoint, allow_http=options.allow_http or allow)
 
 
 def path_style_by_default(endpoint: str | None) -> bool:
