@@ -17,8 +17,9 @@ from conftest import make_model, train_steps
 from ranks import run_ranks
 from unbroken import Checkpointer, CheckpointError
 from unbroken.format.layout import step_dir
-from unbroken.memory.paths import folder_name, owner_text
+from unbroken.memory.paths import folder_name
 from unbroken.memory.tier import partners
+from unbroken.run.contract import owner_text
 
 
 def _state(seed=0):
@@ -165,10 +166,10 @@ def test_abandoned_jobs_memory_is_cleaned_up(tmp_path):
     )
     old = tmp_path / "shm" / "old-job"
     (old / "rank-00000").mkdir(parents=True)
-    (old / "owner-00000").write_text(f"{dead.stdout.strip()} {owner_text().split()[1]}")
+    (old / "owner-00000").write_text(owner_text(int(dead.stdout)))
     live = tmp_path / "shm" / "live-job"
     (live / "rank-00000").mkdir(parents=True)
-    (live / "owner-00000").write_text(owner_text())
+    (live / "owner-00000").write_text(owner_text(os.getpid()))
     _ckpt(tmp_path, job="job-a")
     assert sorted(os.listdir(tmp_path / "shm")) == sorted([folder_name("job-a"), "live-job"])
 

@@ -17,8 +17,9 @@ import torch
 
 from unbroken import Checkpointer, CheckpointError, CorruptCheckpointError
 from unbroken.format.layout import checksum
-from unbroken.memory.paths import clean_abandoned, folder_name, job_name, owner_text
+from unbroken.memory.paths import clean_abandoned, folder_name, job_name
 from unbroken.memory.tier import MemoryTier
+from unbroken.run.contract import owner_text
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,7 +79,7 @@ def test_a_job_whose_owners_live_in_another_pid_namespace_is_never_removed(tmp_p
     (elsewhere / "owner-00000").write_text(dead)  # a pid this namespace cannot judge
     abandoned = tmp_path / "shm" / "abandoned-job"
     (abandoned / "rank-00000").mkdir(parents=True)
-    (abandoned / "owner-00000").write_text(f"{dead} {owner_text().split(' ', 1)[1]}")
+    (abandoned / "owner-00000").write_text(owner_text(int(dead)))
     clean_abandoned(str(tmp_path / "shm"), "mine")
     assert sorted(os.listdir(tmp_path / "shm")) == ["other-container-job"]
 
@@ -151,3 +152,32 @@ def test_every_chunk_of_a_snapshot_is_checked_before_use(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="'w'"):
         tier.own.verified(3)
     assert _restored(tmp_path / "shm", job="j") is None  # passed over, not restored
+
+
+_JOB = """
+import sys, torch, unbroken, unbroken.run
+unbroken.run.init_process_group()
+ckpt = unbroken.Checkpointer(sys.argv[1], memory=True)
+ckpt.snapshot(1, {"w": torch.ones(10)})
+ckpt.wait()
+ckpt.close()
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("exit_code", [0, 1])
+def test_a_job_that_ends_normally_frees_its_shared_memory_and_a_crash_keeps_it(tmp_path, exit_code):
+    script = tmp_path / "job.py"
+    script.write_text(_JOB)
+    shm = tmp_path / "shm"
+    env = {**os.environ, "UNBROKEN_MEMORY_DIR": str(shm), "OMP_NUM_THREADS": "1"}
+    env["UNBROKEN_RUN_DIR"] = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "unbroken.run", "--nproc-per-node=2", "--max-restarts=0",
+           str(script), str(tmp_path / "ckpt"), str(exit_code)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == exit_code, done.stderr[-2000:]
+    left = [p.name for p in shm.iterdir()]
+    if exit_code == 0:
+        assert left == [], left  # nothing left behind in /dev/shm
+    else:
+        assert len(left) == 1 and len(list((shm / left[0]).glob("rank-*/slot-*.bin"))) == 2

@@ -70,8 +70,8 @@ class Stepper:
         self.tracker.settle(state)
         if layouts and layouts != self._noted and memory is not None:
             path = os.path.join(memory.dir, LAYOUTS_FILE)
-            with open(f"{path}.tmp", "w") as f:
-                json.dump({"job": self.job, "layouts": layouts}, f)
+            text = json.dumps({"job": self.job, "layouts": layouts})
+            memory.access.write_text(f"{path}.tmp", text)  # never through a planted link
             os.replace(f"{path}.tmp", path)
             self._noted = layouts
         return layouts
@@ -140,7 +140,7 @@ def _noted(path: str, job: str) -> Any:
     """The layouts noted in the shared-memory file ``path`` for ``job`` (unchecked), None
     if there is none; ValueError if it is not a file `Stepper.observe` wrote."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
             data = f.read()
     except FileNotFoundError:
         return None

@@ -19,6 +19,7 @@ import stat
 
 from unbroken.access import Access
 from unbroken.errors import CheckpointError
+from unbroken.run.nodes import owners
 
 log = logging.getLogger("unbroken")
 
@@ -64,12 +65,6 @@ def private_root(root: str, access: Access) -> None:
         )
 
 
-def owner_text() -> str:
-    """What a rank's ``owner-<rank>`` file says: its pid, and the pid namespace and host
-    that number means something in."""
-    return f"{os.getpid()} {_namespace()}"
-
-
 def clean_abandoned(root: str, job: str) -> None:
     """Remove the shared memory of other jobs whose processes are all gone. A job whose
     owners live in another pid namespace (a container sharing ``/dev/shm``) or another
@@ -82,11 +77,7 @@ def clean_abandoned(root: str, job: str) -> None:
         folder = os.path.join(root, name)
         if name == folder_name(job) or not _plain_dir(folder):
             continue
-        try:
-            owners = [f for f in os.listdir(folder) if f.startswith("owner-")]
-        except OSError:  # another user's job: private, and not ours to clean
-            continue
-        pids = [_pid_here(os.path.join(folder, owner)) for owner in owners]
+        pids = owners(folder)
         if pids and all(pid is not None and not process_exists(pid) for pid in pids):
             log.info("removing shared memory of abandoned job %s", name)
             shutil.rmtree(folder, ignore_errors=True)
@@ -97,25 +88,6 @@ def _plain_dir(path: str) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
-
-
-def _pid_here(path: str) -> int | None:
-    """The pid an owner file names, if it is one of this namespace and host; else None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd) as f:
-            pid, _, where = f.read(256).partition(" ")
-        return int(pid) if where.strip() == _namespace() else None
-    except (OSError, ValueError):
-        return None
-
-
-def _namespace() -> str:
-    try:
-        ns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        ns = "pid:?"
-    return f"{ns}@{os.uname().nodename}"
 
 
 def process_exists(pid: int) -> bool:

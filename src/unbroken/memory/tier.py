@@ -34,7 +34,8 @@ from unbroken.format.layout import Manifest, verify_block
 from unbroken.format.shards import byte_view
 from unbroken.format.validate import snapshot_description
 from unbroken.memory.partners import partners, replica_layout
-from unbroken.memory.paths import clean_abandoned, folder_name, owner_text, private_root, rank_of
+from unbroken.memory.paths import clean_abandoned, folder_name, private_root, rank_of
+from unbroken.run import contract
 
 __all__ = ["OWN_SLOTS", "Block", "MemoryTier", "Slots", "partners", "replica_layout"]
 
@@ -234,7 +235,8 @@ class MemoryTier:
         self.dir = self.own.dir
         self._replicas: dict[int, Slots] = {}
         self._others: dict[str, Slots] = {}  # folders of other rank numbers, by path
-        self.access.write_text(os.path.join(self.root, f"owner-{rank:05d}"), owner_text())
+        owner = os.path.join(self.root, f"{contract.OWNER_PREFIX}{rank:05d}")
+        self.access.write_text(owner, contract.owner_text(os.getpid()))
 
     def replica(self, owner: int) -> Slots:
         """The slots holding this rank's replica of rank ``owner``'s snapshots."""

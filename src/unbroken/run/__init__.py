@@ -28,7 +28,7 @@ import torch only inside the calls that need it. The modules:
     procs       process trees: kill_tree, descendants, alive
     timeline    events -> recoveries and the printed summary
     watch       heartbeat watchdog, event reading, kill-node requests (both modes)
-    nodes       simulated nodes' shared memory
+    nodes       shared memory: simulated nodes', owners, freeing a finished job's
     launch      restart-all: torchrun agents
     supervisor  in-process: one process per rank, failed ranks replaced alone
     agent       in-process across machines: one node agent per node
@@ -37,7 +37,8 @@ import torch only inside the calls that need it. The modules:
     measure     how long process-group initialisation takes
     rundir      the run directory `unbroken run` keeps, and reading its event logs
 
-Entry points: contract, faults, worker, inprocess, procs, rundir, timeline, cli, coordinator.
+Entry points: contract, faults, worker, inprocess, procs, rundir, timeline, nodes, cli,
+coordinator.
 May import: access, errors, job.
 """
 

@@ -23,6 +23,8 @@ from typing import Protocol
 from unbroken.access import Access
 from unbroken.run import args
 from unbroken.run.args import RunOptions
+from unbroken.run.contract import DEFAULT_MEMORY_ROOT, MEMORY_DIR_ENV
+from unbroken.run.nodes import free_finished
 from unbroken.run.procs import kill_tree
 from unbroken.run.rundir import run_directory
 from unbroken.run.timeline import Timeline, say
@@ -93,6 +95,8 @@ def drive(opts: RunOptions, make: Callable[[str], Job], what: str) -> int:
             for s, handler in old.items():
                 signal.signal(s, handler)
             job.cleanup()
+        if code == 0:  # ended normally: no restart will need its snapshots
+            free_finished(os.environ.get(MEMORY_DIR_ENV) or DEFAULT_MEMORY_ROOT, heartbeat_dir)
     print(job.timeline.summary(), file=sys.stderr, flush=True)
     say(f"events in {heartbeat_dir}; goodput: unbroken goodput {heartbeat_dir}")
     if opts.ours.timeline_json is not None:  # 0600 whatever the umask, as the event logs

@@ -27,6 +27,8 @@ RUN_DIR_ENV = "UNBROKEN_RUN_DIR"  # `unbroken run`: the run directory to use (ne
 DEFAULT_MEMORY_ROOT = f"/dev/shm/unbroken-{os.geteuid()}"  # where MEMORY_DIR_ENV is not set
 SIM_MEMORY_ROOT = f"/dev/shm/unbroken-sim-{os.geteuid()}"  # simulated nodes: <job>/node-<i>
 
+OWNER_PREFIX = "owner-"  # owner-<rank> in a job's memory folder: "<pid> <pid namespace>@<host>"
+
 # -- store keys (the launcher's TCPStore, read by workers) ------------------------------
 
 GENERATION_KEY = "unbroken/generation"  # in-process recovery: the running generation
@@ -56,6 +58,29 @@ EVENTS_PREFIX = "events-"  # events-<rank>-<pid>.jsonl: one JSON line per event
 LAUNCHER_EVENTS = "launcher.jsonl"  # the launcher's own events (detections, restarts)
 FIRED_PREFIX = "fired-"  # fired-<index>: fault <index> fired already in this launch
 KILL_NODE_PREFIX = "request-kill-node-"  # request-kill-node-<node>: a worker asks
+
+
+def owner_text(pid: int) -> str:
+    """What a rank writes in its ``owner-<rank>`` file: its pid, and the pid namespace and
+    host that number means something in (containers may share ``/dev/shm``)."""
+    return f"{pid} {_namespace()}"
+
+
+def owner_pid(text: str) -> int | None:
+    """The pid an owner file names, if it is one of this pid namespace and host."""
+    pid, _, where = text.partition(" ")
+    try:
+        return int(pid) if where.strip() == _namespace() else None
+    except ValueError:
+        return None
+
+
+def _namespace() -> str:
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = "pid:?"
+    return f"{ns}@{os.uname().nodename}"
 
 
 def heartbeat_file(rank: int) -> str:

@@ -1,0 +1,115 @@
+"""The demo and the two-rank paths never abort, under CPU load.
+
+    python tests/test_stress.py --runs 50     # the demo and the two-rank tests, 50 times each
+
+runs ``unbroken demo`` (three torchrun launches of a DDP job with DataLoader workers,
+background saves, a SIGKILL and a restore) and the two-rank test files N times in a row,
+with a busy loop on every core, and fails on the first run that does not exit 0; a gloo
+abort (SIGABRT, "terminate called after throwing an instance of 'gloo::EnforceNotMet'")
+shows as such. CI runs a bounded version: ``UNBROKEN_STRESS_RUNS`` times (default 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+TWO_RANK = ["test_distributed.py", "test_comm.py", "test_capture.py"]
+DEMO = [sys.executable, "-m", "unbroken", "demo", "--clean", "--dir"]
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TWO_RANK]
+ABORTS = ("EnforceNotMet", "Fatal Python error", "terminate called")
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def loaded() -> Iterator[None]:
+    """A busy loop on every core, for as long as the block runs."""
+    hogs = [mp.Process(target=_spin, daemon=True) for _ in range(os.cpu_count() or 2)]
+    for hog in hogs:
+        hog.start()
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.join()
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float) -> str | None:
+    """None if ``cmd`` exits 0 with no sign of an abort; else what went wrong."""
+    try:
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"{' '.join(cmd)}: no exit in {timeout:.0f} s"
+    out = done.stdout + done.stderr
+    aborted = [line for line in out.splitlines() if any(a in line for a in ABORTS)]
+    if done.returncode != 0 or aborted:
+        return f"{' '.join(cmd)}: exit code {done.returncode}\n" + "\n".join(
+            aborted or out.splitlines()[-30:]
+        )
+    return None
+
+
+def stress(runs: int, demo: bool = True, tests: bool = True) -> list[str]:
+    """Every failure of ``runs`` rounds of the demo and the two-rank tests under load."""
+    failures = []
+    with loaded(), tempfile.TemporaryDirectory() as tmp:
+        for n in range(runs):
+            if demo:
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "unbroken",
+                    "demo",
+                    "--dir",
+                    f"{tmp}/demo-{n}",
+                    "--clean",
+                ]
+                failures.append(_run(cmd, Path(tmp), timeout=600))
+            if tests:
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-x",
+                    "-p",
+                    "no:cacheprovider",
+                    *TWO_RANK,
+                ]
+                failures.append(_run(cmd, TESTS, timeout=900))
+            print(
+                f"round {n + 1}/{runs}: {sum(f is not None for f in failures)} failed", flush=True
+            )
+    return [f for f in failures if f is not None]
+
+
+@pytest.mark.timeout(1200)
+def test_the_demo_and_the_two_rank_tests_never_abort_under_load():
+    failures = stress(int(os.environ.get("UNBROKEN_STRESS_RUNS", "2")))
+    assert not failures, "\n\n".join(failures)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--no-demo", action="store_true")
+    parser.add_argument("--no-tests", action="store_true")
+    opts = parser.parse_args()
+    found = stress(opts.runs, demo=not opts.no_demo, tests=not opts.no_tests)
+    print("\n\n".join(found) if found else f"{opts.runs} rounds: no failure, no abort")
+    sys.exit(1 if found else 0)
