@@ -4,6 +4,7 @@ limits measured in the same run, on the same state as bench/save_load.py.
 
     python bench/async_save.py                                  # 2 ranks x 512 MiB, 5 repeats
     python bench/async_save.py --mib-per-rank 32 --repeats 2    # smoke, well under a minute
+    python bench/async_save.py --sdc-off    # unbroken without its default replica check
 
 Four questions, each answered per rank and reported for the slowest rank:
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 from dataclasses import replace
 
 import torch.multiprocessing as mp
@@ -48,6 +50,9 @@ logging.disable(logging.INFO)
 
 
 def main() -> None:
+    # the cost of `unbroken.sdc`'s default comparison: this run against one with --sdc-off
+    sdc_off = "--sdc-off" in sys.argv
+    sys.argv = [a for a in sys.argv if a != "--sdc-off"]
     cfg = disk_config(
         __doc__.split("\n\n")[0],
         repeats_help="the first call + steady state",
@@ -57,7 +62,7 @@ def main() -> None:
     )
     workdir = cfg.dir
     try:
-        run_ranks(worker, (cfg,), cfg.ranks)
+        run_ranks(worker, (cfg, sdc_off), cfg.ranks)
         raw = read_back(workdir)
         memory = measure_memory(cfg)
     finally:

@@ -38,6 +38,7 @@ from common import (
 )
 from limits import striped_write
 from unbroken.format.shards import packed
+from unbroken.sdc import Replicated
 
 WAIT_S = 120.0  # longest wait for a background save; a hang fails the run instead
 # the training stand-in: LAYERS x REPEAT single-threaded (BATCH x HIDDEN) @ (HIDDEN x HIDDEN)
@@ -133,7 +134,7 @@ def join(rank: int, cfg: DiskConfig) -> None:
 class AsyncRank:
     """One rank of the timed run: every method once per repeat, interleaved."""
 
-    def __init__(self, rank: int, cfg: DiskConfig) -> None:
+    def __init__(self, rank: int, cfg: DiskConfig, sdc_off: bool = False) -> None:
         self.rank, self.cfg = rank, cfg
         self.root = Path(cfg.dir)
         self.state = make_state(rank, cfg.mib_per_rank * MIB)
@@ -147,7 +148,8 @@ class AsyncRank:
         # DCP's collectives run on a group of their own, apart from this script's barriers
         self.dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
         self.trainer = Trainer(rank)
-        self.ckpt = unbroken.Checkpointer(self.root / "unbroken")  # collective; its own group
+        off = Replicated(auto=False) if sdc_off else None  # the default compares replicas
+        self.ckpt = unbroken.Checkpointer(self.root / "unbroken", replicated=off)  # collective
         # what a training script does before its loop: staging allocated and touched in the
         # background, so the first save blocks like the later ones (Checkpointer.prepare)
         self.ckpt.prepare(self.state)
@@ -310,9 +312,9 @@ class AsyncRank:
         return {"samples": self.samples, "unavailable": self.unavailable}
 
 
-def worker(rank: int, cfg: DiskConfig) -> None:
+def worker(rank: int, cfg: DiskConfig, sdc_off: bool = False) -> None:
     join(rank, cfg)
-    bench = AsyncRank(rank, cfg)
+    bench = AsyncRank(rank, cfg, sdc_off)
     hand_back(cfg.dir, bench.run())
     bench.ckpt.close()
     bench.snapshots.close()

@@ -106,7 +106,8 @@ def test_the_rule_compares_only_declared_state_and_the_same_region():
     with pytest.raises(ValueError, match="'warn', 'refuse' or 'suspect'"):
         Replicated(("model",), action="ignore")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="top-level state names"):
-        Replicated(())
+        Replicated(("model/weight",))  # a tensor's key, not an entry of the state
+    assert Replicated(()).divergent(by_rank) == []  # nothing named, no block known: none
 
 
 class _RefusingMarks:

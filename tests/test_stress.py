@@ -6,7 +6,8 @@ runs ``unbroken demo`` (three torchrun launches of a DDP job with DataLoader wor
 background saves, a SIGKILL and a restore) and the two-rank test files N times in a row,
 with a busy loop on every core, and fails on the first run that does not exit 0; a gloo
 abort (SIGABRT, "terminate called after throwing an instance of 'gloo::EnforceNotMet'")
-shows as such. CI runs a bounded version: ``UNBROKEN_STRESS_RUNS`` times (default 2).
+shows as such. CI runs a bounded version: ``UNBROKEN_STRESS_RUNS`` rounds (default 1,
+about 3 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def stress(runs: int, demo: bool = True, tests: bool = True) -> list[str]:
 
 @pytest.mark.timeout(1200)
 def test_the_demo_and_the_two_rank_tests_never_abort_under_load():
-    failures = stress(int(os.environ.get("UNBROKEN_STRESS_RUNS", "2")))
+    failures = stress(int(os.environ.get("UNBROKEN_STRESS_RUNS", "1")))
     assert not failures, "\n\n".join(failures)
 
 

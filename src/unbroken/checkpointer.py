@@ -62,7 +62,7 @@ class Checkpointer:
         storage_options: for S3, the fields of `unbroken.storage.s3.S3Options`
             (endpoint, region, path_style, credentials, part_size, concurrency,
             timeouts); for fsspec URLs, arguments of the file system.
-        the others (keep, policy, preemption...): see `unbroken.options.Options`.
+        replicated: `unbroken.sdc.Replicated`; the others (keep, policy...): `unbroken.options`.
     """
 
     def __init__(
@@ -97,7 +97,7 @@ class Checkpointer:
         self.if_busy = if_busy
         self.on_error = on_error
         self.replicated_reads = replicated_reads
-        self.replicated = replicated  # silent-corruption check: `unbroken.sdc`
+        self.replicated = replicated or Replicated()  # replicas compared: `unbroken.sdc`
         self.storage = open_storage(self.path, storage_options)
         wait = timedelta(seconds=timeout)
         self._comm = Comm(process_group, wait)
@@ -185,7 +185,8 @@ class Checkpointer:
                 log.info("rank %d: skipping step %d, a save is persisting", self.rank, step)
                 staged = saving.skipped(step)
             else:
-                staged = saving.stage(step, state, arena)
+                known = self.replicated.known(state, self._stepper.tracker.wrappers(state))
+                staged = saving.stage(step, state, arena, known)
             staged.metric, staged.rollback_from = metric, self._rollback
             self._rollback = None
         except BaseException as e:
@@ -337,8 +338,7 @@ class Checkpointer:
         that fails verification (checksum, truncated or missing file) is passed over,
         loudly, for the newest older one that verifies (``fallback=False`` or an explicit
         ``step``: raise instead); a failed restore leaves ``state`` as it was. Background
-        saves are waited for first. Where each rank's state came from: `last_restore`.
-        """
+        saves are waited for first. Where each rank's state came from: `last_restore`."""
         self._drain()
         worker.event("restore_start")
         live = capture(state)  # once: every stage below takes the state's tensors from it

@@ -1,30 +1,57 @@
 """Silent data corruption: data-parallel replicas that should be identical but are not.
 
-Every save gathers each rank's block checksums (`unbroken.format.write_plan`). Ranks may
+Every save gathers each rank's block checksums (`unbroken.format.write_plan`): a region
+(same tensor, same offsets) that several ranks hold is hashed before anything is written,
+so comparing the copies is dictionary work on what the save already has. Ranks may
 legitimately hold different values under one key (RNG streams, data positions, per-rank
-counters: the manifest then tags each value with its ``Chunk.ranks``), so unbroken
-cannot tell on its own which state is replicated. `Replicated` names it: the top-level
-state entries (for example ``("model", "optim")`` for ``state = {"model": ..., "optim":
-...}``) whose tensors every rank holding the same region must hold bit for bit. The
-rule: for a tensor under one of those names, every region (same offsets) held by two or
-more ranks must have one checksum; sharded tensors (FSDP, tensor parallel) hold
-different regions and are never compared.
+counters, BatchNorm running statistics: the manifest then tags each value with its
+``Chunk.ranks``), so only state that must be replicated is compared:
+
+- what unbroken *knows* to be replicated (`known`, on by default): the parameters of
+  modules wrapped by `DistributedDataParallel` (a wrapper in the state, one inside an
+  entry, or one around an entry that ran once the Checkpointer existed) but not those
+  DDP is told to ignore, nor buffers (DDP re-broadcasts them at the start of each
+  forward, and the forward then updates BatchNorm's running statistics from each rank's
+  own batch); the optimizer state of those parameters; and every DTensor replicated on
+  a mesh dimension and ``Partial`` on none (the replica dimension of HSDP: the replica
+  groups' copies of a shard hold equal offsets);
+- and the top-level entries the user names in `Replicated` (``("model", "optim")``), for
+  replicated state unbroken cannot recognise (a model replicated by hand).
+
+The rule: every such region held by two or more ranks has one checksum. Sharded tensors
+(FSDP, tensor parallel) hold different regions and are never compared. The cost: a walk
+of the modules' parameters when a save captures the state, then, in the background, one
+pass over the checksums the plan gathered anyway (nothing at all where nothing is known).
 
 A divergent region is named with its tensor, region and which ranks hold which value, is
 recorded as an ``sdc`` event (`unbroken.run.worker.event`), and then ``action`` decides:
 ``"warn"`` logs and saves, ``"refuse"`` fails the save on every rank before anything is
-written (`SilentCorruptionError`), ``"suspect"`` saves and writes ``suspect.json`` beside
-the step's manifest, which `suspect` reads back (restore and ``unbroken`` tools can report
-it). The manifest itself is unchanged.
+written (`SilentCorruptionError`), ``"suspect"`` (the default) saves, logs, and writes
+``suspect.json`` beside the step's manifest, which `suspect` reads back (a restore of the
+step warns, ``unbroken show`` prints ``SUSPECT``). The manifest itself is unchanged.
+
+Why ``"suspect"`` by default: a replica that differs is a fault to say loudly, but not a
+reason to stop checkpointing. Refusing loses the newest restore point while training goes
+on with the divergent replica anyway (a false alarm would stop every save of a healthy
+job); a suspect step keeps every rank's values as they were (tagged, never replaced by
+rank 0's copy), which is both the evidence and a restore point, and whoever restores it
+is told. Jobs that would rather stop choose ``Replicated(action="refuse")``;
+``Replicated(auto=False)`` turns the automatic comparison off.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 
 from unbroken.errors import CheckpointError
 from unbroken.format.blockio import start
@@ -32,7 +59,9 @@ from unbroken.format.layout import step_dir
 from unbroken.format.write_plan import Block
 from unbroken.run.worker import event
 
-__all__ = ["SUSPECT", "Divergence", "Replicated", "SilentCorruptionError", "report", "suspect"]
+__all__ = [
+    "SUSPECT", "Divergence", "Known", "Replicated", "SilentCorruptionError", "report", "suspect",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -58,41 +87,128 @@ class Divergence:
 
 
 @dataclass(frozen=True)
+class Known:
+    """The captured keys of one state that unbroken knows to be replicated (`known`):
+    ``keys`` of parameters DDP keeps in sync (``"model/module.0.weight"``), the
+    per-parameter state of their optimizers (``"optim/state/3"`` and below), and any
+    DTensor replicated on a mesh dimension and ``Partial`` on none."""
+
+    keys: frozenset[str] = frozenset()
+    optimizer_state: frozenset[str] = frozenset()
+
+    def holds(self, key: str, t: torch.Tensor) -> bool:
+        if isinstance(t, DTensor):  # Partial: each rank holds an addend, not a copy
+            placements = t.placements
+            return any(p.is_replicate() for p in placements) and not any(
+                p.is_partial() for p in placements
+            )
+        return key in self.keys or (
+            bool(self.optimizer_state) and "/".join(key.split("/", 3)[:3]) in self.optimizer_state
+        )
+
+
+def known(state: Mapping[str, Any], wrappers: Mapping[str, nn.Module]) -> Known:
+    """What ``state`` holds that is replicated by construction; ``wrappers`` are the DDP
+    wrappers of its entries that a forward showed (`unbroken.healing.ddp_buckets.Tracker`:
+    the usual ``state = {"model": model}`` with ``DDP(model)`` used for training). A walk
+    of the modules' parameters and the optimizers' groups, no tensor touched."""
+    synced: set[int] = set()  # ids of the parameters DDP keeps equal
+    for name, value in state.items():
+        if isinstance(value, nn.Module):
+            wrapper = value if isinstance(value, DistributedDataParallel) else wrappers.get(name)
+            ddps = (
+                [wrapper]
+                if isinstance(wrapper, DistributedDataParallel)
+                else [m for m in value.modules() if isinstance(m, DistributedDataParallel)]
+            )
+            for ddp in ddps:
+                ignored = getattr(ddp, "parameters_to_ignore", ())
+                synced.update(
+                    id(p)
+                    for n, p in ddp.module.named_parameters(remove_duplicate=False)
+                    if n not in ignored
+                )
+    if not synced:
+        return Known()
+    keys: set[str] = set()
+    optimizer_state: set[str] = set()
+    for name, value in state.items():
+        if isinstance(value, nn.Module):
+            named = value.named_parameters(remove_duplicate=False)
+            keys.update(f"{name}/{n}" for n, p in named if id(p) in synced)
+        elif isinstance(value, Optimizer):
+            params = [p for group in value.param_groups for p in group["params"]]
+            index: dict[int, int] = {}
+            for i, p in enumerate(params):  # numbered as `Optimizer.state_dict` does
+                index.setdefault(id(p), i)
+            optimizer_state.update(f"{name}/state/{i}" for q, i in index.items() if q in synced)
+    return Known(frozenset(keys), frozenset(optimizer_state))
+
+
+@dataclass(frozen=True)
 class Replicated:
     """Which state every data-parallel rank must hold identically, and what a save does
-    when it does not (see the module docstring for the rule)."""
+    when it does not (see the module docstring for the rule and the default).
 
-    names: tuple[str, ...]
-    action: Literal["warn", "refuse", "suspect"] = "warn"
+    ``names``: top-level state entries to compare besides what unbroken knows to be
+    replicated. ``auto``: compare what it knows (DDP parameters and their optimizer
+    state, DTensor replicas); ``Replicated(auto=False)`` with no names checks nothing.
+    """
+
+    names: tuple[str, ...] = ()
+    action: Literal["warn", "refuse", "suspect"] = "suspect"
+    auto: bool = True
 
     def __post_init__(self) -> None:
         if self.action not in ("warn", "refuse", "suspect"):
             raise ValueError(
                 f"Replicated action {self.action!r}: choose 'warn', 'refuse' or 'suspect'"
             )
-        if not self.names or any(not n or "/" in n for n in self.names):
+        if not isinstance(self.names, tuple) or any(
+            not isinstance(n, str) or not n or "/" in n for n in self.names
+        ):
             raise ValueError(
-                f"Replicated names {self.names!r}: give top-level state names such as "
-                "('model', 'optim')"
+                f"Replicated names {self.names!r}: give a tuple of top-level state names "
+                "such as ('model', 'optim')"
             )
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"Replicated auto={self.auto!r}: True or False")
 
-    def divergent(self, blocks_by_rank: list[list[Block]]) -> list[Divergence]:
-        """The regions under ``names`` whose checksums differ between ranks."""
+    def known(self, state: Mapping[str, Any], wrappers: Mapping[str, nn.Module]) -> Known | None:
+        """`known` of ``state``, or None when ``auto`` is off."""
+        return known(state, wrappers) if self.auto else None
+
+    def divergent(
+        self, blocks_by_rank: list[list[Block]], known_by_rank: list[Any] | None = None
+    ) -> list[Divergence]:
+        """The regions compared (under ``names``, and those ``known_by_rank`` lists: the
+        indices of each rank's blocks it knows to be replicated) whose checksums differ
+        between the ranks that compare them."""
         seen: dict[tuple[str, tuple[int, ...]], dict[str, list[int]]] = {}
         for rank, blocks in enumerate(blocks_by_rank):
-            for b in blocks:
-                if b.key.split("/", 1)[0] in self.names:
-                    seen.setdefault((b.key, b.offsets), {}).setdefault(b.xxh3, []).append(rank)
+            mine = known_by_rank[rank] if self.auto and known_by_rank else []
+            for b in self._compared(blocks, mine):
+                seen.setdefault((b.key, b.offsets), {}).setdefault(b.xxh3, []).append(rank)
         return [
             Divergence(key, offsets, values)
             for (key, offsets), values in sorted(seen.items())
             if len(values) > 1
         ]
 
-    def check(self, step: int, blocks_by_rank: list[list[Block]], rank: int) -> list[Divergence]:
+    def _compared(self, blocks: list[Block], mine: Any) -> list[Block]:
+        picked: set[int] = set()
+        if isinstance(mine, list):  # from a peer: only indices of its own blocks count
+            picked.update(i for i in mine if type(i) is int and 0 <= i < len(blocks))
+        if self.names:
+            picked.update(i for i, b in enumerate(blocks) if b.key.split("/", 1)[0] in self.names)
+        return [blocks[i] for i in sorted(picked)]
+
+    def check(
+        self, step: int, blocks_by_rank: list[list[Block]], rank: int, known_by_rank: Any = None
+    ) -> list[Divergence]:
         """Run at save time on every rank with the same gathered blocks (so every rank
         decides alike): record and act; returns what diverged for ``"suspect"``."""
-        found = self.divergent(blocks_by_rank)
+        found = self.divergent(blocks_by_rank, known_by_rank)
         if not found:
             return []
         what = "; ".join(d.describe() for d in found[:5])
@@ -104,13 +220,16 @@ class Replicated:
         message = (
             f"step {step}: data-parallel replicas differ (silent data corruption?): {what}{more}"
         )
+        advice = (
+            "Check the hardware of the ranks in the minority, or restore the last good "
+            "checkpoint. If this state may legitimately differ between ranks, compare only "
+            "what you name: Replicated(names=(...), auto=False)"
+        )
         if self.action == "refuse":
-            raise SilentCorruptionError(
-                f"{message}; the save is refused. Check the ranks' hardware, or restore "
-                "the last good checkpoint"
-            )
+            raise SilentCorruptionError(f"{message}; the save is refused. {advice}")
         if rank == 0:
-            log.warning("%s; saved anyway (%s)", message, self.action)
+            kept = "saved and marked suspect" if self.action == "suspect" else "saved anyway"
+            log.warning("%s; %s. %s", message, kept, advice)
         return found if self.action == "suspect" else []
 
 
@@ -131,13 +250,18 @@ def suspect(storage: object, step_dir: str) -> list[dict[str, object]] | None:
 
 
 def guard(
-    replicated: Replicated | None, rank: int, storage: object, step: int, blocks: list[list[Block]]
+    replicated: Replicated | None,
+    rank: int,
+    storage: object,
+    step: int,
+    blocks: list[list[Block]],
+    known_by_rank: list[Any] | None = None,
 ) -> None:
     """The save's check (one call from `unbroken.saving.pipeline`): rank 0 writes ``suspect.json``
     into the step's folder before the manifest commits it."""
     if replicated is None:
         return
-    found = replicated.check(step, blocks, rank)
+    found = replicated.check(step, blocks, rank, known_by_rank)
     if found and rank == 0:
         storage.write(f"{step_dir(step)}/{SUSPECT}", [record(found)])  # type: ignore[attr-defined]
 

@@ -23,6 +23,11 @@ its record's per-rank entries (a live rank's own record: idempotent for objects 
 survived, a repair for ones built anew). Anything else (ranks at different steps, a
 record missing, a pure FSDP shard, every replica of a shard lost) returns None, and the
 snapshot path (`unbroken.restoring.pipeline`) runs instead.
+
+Once loaded, a checksum vote: each replacement hashes the replicated state it now holds
+(what ``load_state_dict`` made of what arrived: a model built in another dtype, or a
+load hook, would change it) against the full checksums its source described, and every
+rank raises a `CheckpointError` naming the rank and tensors if any differs.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from unbroken.healing.records import Record
 from unbroken.job.comm import Comm
 from unbroken.restoring.sources import Origin, Restored
 from unbroken.run import faults
-from unbroken.state import Captured, decode, init_state, is_stateful
+from unbroken.state import Captured, capture, decode, init_state, is_stateful
 
 log = logging.getLogger("unbroken")
 
@@ -131,6 +136,9 @@ def heal(
     comm.together(
         f"loading healed step {chosen.step}",
         lambda: _load(state, shared, described, record, targets),
+    )
+    comm.together(  # the vote: training goes on only if every replacement is its source
+        f"confirming the heal of step {chosen.step}", lambda: _confirm(comm.rank, state, described)
     )
     origins = tuple(
         Origin("live", chosen.step, chosen.source.get(r)) for r in range(comm.world_size)
@@ -310,6 +318,67 @@ def _load(
     for name, encoded in record.header["tree"].items():
         if name in state:
             _hand(state, name, decode(encoded, tensors), f"the step record of step {record.step}")
+
+
+def _confirm(rank: int, state: Mapping[str, Any], meta: Meta | None) -> None:
+    """On a replacement (``meta``: what its source described): `CheckpointError` unless
+    every replicated tensor it holds now has its source's dtype, shape and checksum."""
+    if meta is None:
+        return
+    held = _healed(state, meta)
+    wrong = []
+    for spec in meta.tensors:
+        t = held.get(spec.key)
+        if t is None:
+            wrong.append(f"{spec.key!r} (not in the state here)")
+            continue
+        t = local(t)
+        if t.dtype != spec.dtype or list(t.shape) != spec.shape:
+            here, there = f"{t.dtype}{list(t.shape)}", f"{spec.dtype}{spec.shape}"
+            wrong.append(f"{spec.key!r} ({here} here, {there} on rank {meta.source})")
+        elif (sum_ := checksum(byte_view(t.cpu().contiguous()))) != spec.xxh3:
+            wrong.append(f"{spec.key!r} (checksum {sum_} here, {spec.xxh3} on rank {meta.source})")
+    if wrong:
+        more = f" and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+        raise CheckpointError(
+            f"rank {rank}, healed at step {meta.step}, does not hold what its live replica "
+            f"on rank {meta.source} sent: tensors {', '.join(wrong[:5])}{more}. Build the "
+            "model and optimizer with the same dtypes (and no load hook that changes "
+            "values) on every rank; restart the job to restore from a checkpoint"
+        )
+
+
+def _healed(state: Mapping[str, Any], meta: Meta) -> dict[str, torch.Tensor]:
+    """The replicated tensors ``state`` holds now, by captured key: a module's own
+    (``keep_vars``), a plain torch optimizer's per-parameter state by its index (what
+    `Optimizer.state_dict` packs, without a copy of its groups); any entry that has
+    keys neither gives is captured again."""
+    found: dict[str, torch.Tensor] = {}
+    for name in meta.tree:
+        value = state[name]
+        if isinstance(value, nn.Module):
+            found.update((f"{name}/{k}", t) for k, t in value.state_dict(keep_vars=True).items())
+        elif isinstance(value, Optimizer) and _plain(value):
+            params = [p for group in value.param_groups for p in group["params"]]
+            index: dict[int, tuple[int, torch.Tensor]] = {}
+            for i, p in enumerate(params):  # numbered as `Optimizer.state_dict` does
+                index.setdefault(id(p), (i, p))
+            for i, p in index.values():
+                for k, t in value.state.get(p, {}).items():
+                    found[f"{name}/state/{i}/{k}"] = t
+    names = {s.key.split("/", 1)[0] for s in meta.tensors if not torch.is_tensor(found.get(s.key))}
+    if names:
+        found.update(capture({name: state[name] for name in sorted(names)}).tensors)
+    return found
+
+
+def _plain(optim: Optimizer) -> bool:
+    """Whether ``optim.state_dict()`` would hold its per-parameter state as it is."""
+    return (
+        type(optim).state_dict is Optimizer.state_dict
+        and not getattr(optim, "_optimizer_state_dict_pre_hooks", None)
+        and not getattr(optim, "_optimizer_state_dict_post_hooks", None)
+    )
 
 
 def _hand(state: MutableMapping[str, Any], name: str, value: Any, source: str) -> None:

@@ -3,7 +3,8 @@
 Persisting is collective. Its phases, each ending with every rank agreeing:
 
 1. agree on the step (or on skipping it) and on every rank's blocks, then hash the blocks
-   another rank holds too (the plan writes a replicated block once, by checksum);
+   another rank holds too (the plan writes a replicated block once, by checksum) and
+   compare the copies of replicated state (`unbroken.sdc`);
 2. write: each rank writes the blocks the plan gives it and makes them durable, hashing
    those it alone holds meanwhile (`unbroken.saving.checksums`);
 3. commit: rank 0 writes the manifest atomically. Only now does the step exist.
@@ -35,7 +36,7 @@ from unbroken.saving import claims
 from unbroken.saving.checksums import Sums, checksums, layout, shared, with_checksums
 from unbroken.saving.committed import INFO, Collector
 from unbroken.saving.staging import Arena
-from unbroken.sdc import Replicated, guard
+from unbroken.sdc import Known, Replicated, guard
 from unbroken.state import capture
 
 log = logging.getLogger("unbroken")
@@ -73,17 +74,24 @@ class Staged:
     error: str | None = None  # staging failed on this rank
     metric: float | None = None  # for retention (`KeepBest`); rank 0's counts
     rollback_from: int | None = None  # the step restored before, if it may roll back to it
+    replicated: list[int] = field(default_factory=list)  # blocks known replicated: `sdc.Known`
 
 
-def stage(step: int, state: Mapping[str, Any], arena: Arena | None) -> Staged:
+def stage(
+    step: int, state: Mapping[str, Any], arena: Arena | None, known: Known | None = None
+) -> Staged:
     """Capture ``state``; with an ``arena``, copy its tensors there so the caller may change
-    them as soon as this returns. Without one, the blocks are the live (CPU) tensors."""
+    them as soon as this returns. Without one, the blocks are the live (CPU) tensors.
+    ``known``: what the state holds that is replicated, compared at persist (`unbroken.sdc`)."""
     tensors, tree = capture(state)
     faults.point("stage")
     keys, blocks, offsets, shapes = [], [], [], []
     aliases: dict[str, str] = {}
     first: dict[tuple[Any, ...], str] = {}
-    for key, t in tensors.items():
+    replicated: list[int] = []
+    for i, (key, t) in enumerate(tensors.items()):
+        if known is not None and known.holds(key, t):
+            replicated.append(i)  # block i: one per key
         local, where = local_block(t)
         if local.numel():  # tied tensors (one storage, two keys) are stored once
             ident = (local.data_ptr(), local.dtype, tuple(local.shape), where, tuple(t.shape))
@@ -102,7 +110,7 @@ def stage(step: int, state: Mapping[str, Any], arena: Arena | None) -> Staged:
         blocks, ready = arena.stage(blocks)
     return Staged(
         step=step, keys=keys, blocks=blocks, offsets=offsets, shapes=shapes, tree=tree,
-        aliases=aliases, arena=arena, ready=ready,
+        aliases=aliases, arena=arena, ready=ready, replicated=replicated,
     )  # fmt: skip
 
 
@@ -155,7 +163,8 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
     with building():
         plan = make_plan(by_rank := with_checksums(by_rank, sums))
     writing.append(True)
-    guard(ctx.replicated, comm.rank, ctx.directory.storage, step, by_rank)
+    known = [row[3] if len(row) > 3 else [] for row in rows]  # indices into each rank's blocks
+    guard(ctx.replicated, comm.rank, ctx.directory.storage, step, by_rank, known)
     info = Info(step, time.time(), staged.metric)
     gathered = comm.gathered(
         f"writing step {step}",
@@ -223,10 +232,11 @@ def _remove_failed(ctx: SaveContext, step: int) -> None:
 
 
 def _layout(staged: Staged) -> list[Any]:
-    """What this rank saves, for the plan: the step, whether it skips it, its blocks."""
+    """What this rank saves, for the plan: the step, whether it skips it, its blocks and
+    which of them it knows to be replicated (`unbroken.sdc`)."""
     if staged.error is not None:
         raise CheckpointError(staged.error)
-    return [staged.step, staged.skipped, [b.to_json() for b in layout(staged)]]
+    return [staged.step, staged.skipped, [b.to_json() for b in layout(staged)], staged.replicated]
 
 
 def _hash(ctx: SaveContext, staged: Staged, keys: list[str]) -> Sums:
