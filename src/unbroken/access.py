@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from unbroken.errors import CheckpointError
 
-__all__ = ["GROUP_ENV", "Access"]
+__all__ = ["GROUP_ENV", "Access", "read_own"]
 
 GROUP_ENV = "UNBROKEN_GROUP_ACCESS"
 
@@ -117,3 +117,10 @@ class Access:
             )
         if info.st_mode & 0o777 != self.dir_mode:
             os.chmod(path, self.dir_mode)
+
+
+def read_own(path: str) -> bytes:
+    """A file the job wrote (a slot's description, an owner file, the DDP layouts), read
+    whole and never through a symlink: one planted in its place raises OSError (ELOOP)."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        return f.read()

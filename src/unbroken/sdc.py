@@ -58,6 +58,7 @@ from unbroken.format.blockio import start
 from unbroken.format.layout import step_dir
 from unbroken.format.write_plan import Block
 from unbroken.run.worker import event
+from unbroken.state import param_indices
 
 __all__ = [
     "SUSPECT", "Divergence", "Known", "Replicated", "SilentCorruptionError", "report", "suspect",
@@ -137,11 +138,8 @@ def known(state: Mapping[str, Any], wrappers: Mapping[str, nn.Module]) -> Known:
             named = value.named_parameters(remove_duplicate=False)
             keys.update(f"{name}/{n}" for n, p in named if id(p) in synced)
         elif isinstance(value, Optimizer):
-            params = [p for group in value.param_groups for p in group["params"]]
-            index: dict[int, int] = {}
-            for i, p in enumerate(params):  # numbered as `Optimizer.state_dict` does
-                index.setdefault(id(p), i)
-            optimizer_state.update(f"{name}/state/{i}" for q, i in index.items() if q in synced)
+            index = param_indices(value).items()
+            optimizer_state.update(f"{name}/state/{i}" for q, (i, _) in index if q in synced)
     return Known(frozenset(keys), frozenset(optimizer_state))
 
 

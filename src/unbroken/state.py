@@ -152,6 +152,17 @@ def capture(state: Mapping[str, Any]) -> Captured:
     return Captured(tensors, tree)
 
 
+def param_indices(optim: Optimizer) -> dict[int, tuple[int, torch.Tensor]]:
+    """``{id(parameter): (index, parameter)}``, each parameter numbered as
+    ``Optimizer.state_dict`` numbers it (its first place in the param groups), so that
+    ``"<entry>/state/<index>"`` is its state's captured key."""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    index: dict[int, tuple[int, torch.Tensor]] = {}
+    for i, param in enumerate(params):
+        index.setdefault(id(param), (i, param))
+    return index
+
+
 def init_state(optim: Optimizer) -> bool:
     """Give a fresh optimizer of sharded (DTensor) parameters its state with one
     zero-learning-rate step on zero grads, so that a restore reads into it in place,

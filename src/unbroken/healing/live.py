@@ -54,7 +54,7 @@ from unbroken.healing.records import Record
 from unbroken.job.comm import Comm
 from unbroken.restoring.sources import Origin, Restored
 from unbroken.run import faults
-from unbroken.state import Captured, capture, decode, init_state, is_stateful
+from unbroken.state import Captured, capture, decode, init_state, is_stateful, param_indices
 
 log = logging.getLogger("unbroken")
 
@@ -359,11 +359,7 @@ def _healed(state: Mapping[str, Any], meta: Meta) -> dict[str, torch.Tensor]:
         if isinstance(value, nn.Module):
             found.update((f"{name}/{k}", t) for k, t in value.state_dict(keep_vars=True).items())
         elif isinstance(value, Optimizer) and _plain(value):
-            params = [p for group in value.param_groups for p in group["params"]]
-            index: dict[int, tuple[int, torch.Tensor]] = {}
-            for i, p in enumerate(params):  # numbered as `Optimizer.state_dict` does
-                index.setdefault(id(p), (i, p))
-            for i, p in index.values():
+            for i, p in param_indices(value).values():
                 for k, t in value.state.get(p, {}).items():
                     found[f"{name}/state/{i}/{k}"] = t
     names = {s.key.split("/", 1)[0] for s in meta.tensors if not torch.is_tensor(found.get(s.key))}

@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
+from unbroken.access import read_own
 from unbroken.errors import CheckpointError
 from unbroken.healing import ddp_buckets, live, messages, records
 from unbroken.healing.records import Record
@@ -140,8 +141,7 @@ def _noted(path: str, job: str) -> Any:
     """The layouts noted in the shared-memory file ``path`` for ``job`` (unchecked), None
     if there is none; ValueError if it is not a file `Stepper.observe` wrote."""
     try:
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
-            data = f.read()
+        data = read_own(path)
     except FileNotFoundError:
         return None
     except OSError as e:

@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-from unbroken.access import Access
+from unbroken.access import Access, read_own
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format.layout import Manifest, verify_block
 from unbroken.format.shards import byte_view
@@ -145,7 +145,7 @@ class Slots:
                 manifest = self._load(slot)
                 if manifest is None:
                     continue
-                text = snapshot_description(_read(self._path(slot, "json")))[2].decode()
+                text = snapshot_description(read_own(self._path(slot, "json")))[2].decode()
                 published = (manifest.step, text)
             if published[0] == step:
                 buffer = self._buffers.get(slot)
@@ -199,7 +199,7 @@ class Slots:
     def _load(self, slot: int) -> Manifest | None:
         where = self._path(slot, "json")
         try:
-            job, rank, text = snapshot_description(_read(where))
+            job, rank, text = snapshot_description(read_own(where))
             manifest = Manifest.from_json(text, where)
         except (OSError, ValueError, CheckpointError):  # missing, unreadable, malformed
             return None
@@ -332,13 +332,6 @@ def _mapped(path: str, nbytes: int) -> torch.Tensor:
         return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
     finally:
         os.close(fd)
-
-
-def _read(path: str) -> bytes:
-    """A slot's description, never through a symlink."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
 
 
 def _renamed(manifest: Manifest, file: str) -> str:

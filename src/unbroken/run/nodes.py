@@ -11,7 +11,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from unbroken.access import Access
+from unbroken.access import Access, read_own
 from unbroken.run import contract
 from unbroken.run.contract import SIM_MEMORY_ROOT
 
@@ -54,9 +54,7 @@ def owners(folder: str) -> list[int | None]:
     pids = []
     for name in names:
         try:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW)
-            with os.fdopen(fd) as f:
-                pids.append(contract.owner_pid(f.read(256)))
+            pids.append(contract.owner_pid(read_own(os.path.join(folder, name)).decode()))
         except (OSError, ValueError):
             pids.append(None)
     return pids
@@ -67,7 +65,8 @@ def free_finished(root: str, events_dir: str) -> list[str]:
     pids its event logs name): the job ended normally, so nothing will restore from them.
     A crash's memory stays for the restart; what no launcher frees, the next job of this
     user on the node does, once every owner has exited."""
-    ours = {int(p.stem.rsplit("-", 1)[1]) for p in Path(events_dir).glob("events-*-*.jsonl")}
+    names = (p.stem.rsplit("-", 1)[1] for p in Path(events_dir).glob("events-*-*.jsonl"))
+    ours = {int(pid) for pid in names if pid.isdigit()}
     freed: list[str] = []
     try:
         folders = [os.path.join(root, name) for name in os.listdir(root)]
