@@ -68,7 +68,9 @@ import contextlib
 import os
 import shutil
 import time
+from pathlib import Path
 
+import recovery_moments
 from common import disk_workdir, print_result
 from recovery_jobs import run_scenario
 from recovery_multinode import run_multinode_scenario
@@ -121,6 +123,10 @@ def main() -> None:
         for n in scaling_ranks:
             print(f"process-group init, {n} ranks ...", flush=True)
             scaling.append(run_scaling(cfg, n))
+        moments = None
+        if args.moments:
+            print(f"(h) a node killed at {args.moments} random moments ...", flush=True)
+            moments = recovery_moments.run(args.moments, Path(workdir) / "moments")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         # The launcher removes each job's shared memory; anything a killed run left is ours.
@@ -129,7 +135,11 @@ def main() -> None:
         if not shm_before:
             with contextlib.suppress(OSError):
                 os.rmdir(SIM_MEMORY_ROOT)  # ours, if empty
-    print_result(report(cfg, results, scaling, time.monotonic() - started))
+    summary = report(cfg, results, scaling, time.monotonic() - started)
+    if moments is not None:
+        recovery_moments.table(moments)
+        summary["moments"] = moments
+    print_result(summary)
 
 
 def parse() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -156,6 +166,9 @@ def parse() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
         help="world sizes for the process-group measurement ('' to skip)",
     )
     parser.add_argument("--scaling-repeats", type=int, default=5)
+    parser.add_argument(
+        "--moments", type=int, default=0, help="(h): kills at random moments (50: ~20 min)"
+    )
     parser.add_argument("--dir", help="on a real disk (default: a temp dir under /tmp or the repo)")
     args = parser.parse_args()
     if args.nodes < 2 or args.nproc_per_node < 1:

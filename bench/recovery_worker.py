@@ -175,8 +175,13 @@ def restore(
     dist.barrier()
     log("restore_start")
     restored = ckpt.restore(state)
-    source = None if ckpt.last_restore is None else source_of(ckpt.last_restore)
-    log("restore_end", restored=restored, source=source, evict_s=evict_s, resident=resident)
+    how = ckpt.last_restore
+    source = None if how is None else source_of(how)
+    # Whether this rank kept its own live state (healed at the step it held: none lost).
+    mine = None if how is None else how.origins[dist.get_rank()]
+    own = mine is not None and mine.kind == "live" and mine.peer is None
+    log("restore_end", restored=restored, source=source, own=own, evict_s=evict_s,
+        resident=resident)  # fmt: skip
     return restored
 
 

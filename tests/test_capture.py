@@ -16,6 +16,7 @@ from unbroken import Checkpointer, Progress
 from unbroken.state import capture
 
 pytestmark = pytest.mark.timeout(120)
+TWO_RANK = True  # tests/test_stress.py runs this file under CPU load
 
 
 def test_a_restore_walks_the_state_once_healing_from_a_replica_or_reading_storage(tmp_path):

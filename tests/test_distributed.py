@@ -11,6 +11,7 @@ from ranks import run_ranks
 from unbroken.format.layout import MANIFEST, step_dir
 
 pytestmark = pytest.mark.timeout(180)
+TWO_RANK = True  # tests/test_stress.py runs this file under CPU load
 
 
 def _ddp_job(rank: int, world: int, path: str) -> dict:

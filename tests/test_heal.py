@@ -116,6 +116,32 @@ def test_a_rank_lost_while_healing_another_is_replaced_too_bitwise(tmp_path, ref
     print(f"\n{fault}: {json.dumps(run['timeline']['recoveries'])}")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("point", "hit", "restored"),
+    [("step-gradients", 8, 8), ("step-prepared", 8, 9), ("step-applied", 9, 9)],
+)
+def test_a_rank_lost_at_any_moment_of_a_step_costs_no_step(
+    tmp_path, reference, point, hit, restored
+):
+    """Rank 3 dies inside step 9 (`unbroken.healing.inflight`): after the gradient
+    exchange, before the step is prepared (every survivor stops before applying it: all
+    heal at step 8, and step 9, in flight, runs again); once prepared, before the
+    optimizer applies it; or applied, before its record is sent (the survivors applied
+    it: rank 3's record of step 9 is rebuilt from the prepared one). Each heals live,
+    no survivor loses its process or a step it applied, bitwise."""
+    fault = f"crash point={point} rank=3 hit={hit}"
+    run = launch(tmp_path, "--in-process", "--simulate-nodes=2", "--nproc-per-node=2",
+                 f"--inject-fault={fault}")  # fmt: skip
+    assert run["params"] == reference["params"], fault
+    for rank in range(WORLD):
+        mine = sorted((s for s in run["starts"] if s["rank"] == rank),
+                      key=lambda s: s["seen_generation"])  # fmt: skip
+        assert mine[-1]["restored"] == restored, (fault, mine)
+        assert mine[-1]["origins"] == ["live"] * WORLD, (fault, mine)
+        assert (mine[0]["pid"] == mine[-1]["pid"]) == (rank != 3), (fault, mine)
+
+
 @pytest.mark.timeout(150)
 def test_restart_all_at_4_ranks_is_bitwise(tmp_path, reference):
     """Plain `unbroken run`: every worker restarts and builds a new DDP wrapper, which

@@ -351,7 +351,7 @@ def test_malformed_layouts_in_a_peers_record_are_ignored_with_a_warning(caplog, 
     stepper = Stepper(Comm(None, timedelta(seconds=5)), job, [], [])
     try:
         with caplog.at_level(logging.WARNING, logger="unbroken"):
-            stepper.agree_layouts(state, None)
+            stepper.restored(5, state, None)
     finally:
         stepper.stop()
         records.forget(job)

@@ -115,3 +115,32 @@ def test_fuzzed_snapshot_descriptions_fail_cleanly(data: st.DataObject) -> None:
     with contextlib.suppress(ValueError, CheckpointError):
         _, _, text = snapshot_description(raw)
         Manifest.from_json(text, "slot-0.json")
+
+
+def _claims_a_huge_record(rank: int, world: int) -> str:
+    """Rank 1 says its step record is 1 TiB; rank 0 must refuse it before allocating."""
+    from datetime import timedelta
+
+    import torch
+
+    from unbroken.healing import records
+    from unbroken.job.comm import Comm
+
+    comm = Comm(None, timedelta(seconds=30))
+    if rank == 1:
+        first = bytearray(records.FIRST)
+        first[:8] = (1 << 40).to_bytes(8, "little")
+        into = torch.empty(records.FIRST, dtype=torch.uint8)
+        records._run(comm, {0: torch.frombuffer(first, dtype=torch.uint8)}, {0: into})
+        return "sent"
+    with pytest.raises(CheckpointError, match=r"rank 1 sent a step record of \d+ bytes") as e:
+        records.exchange(comm, {1: b"r" * 1000}, [1])
+    return str(e.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_claiming_a_huge_step_record_is_refused_before_allocating() -> None:
+    from ranks import run_ranks
+
+    refused, sent = run_ranks(_claims_a_huge_record)
+    assert sent == "sent" and "not allocated" in refused, refused

@@ -222,6 +222,22 @@ def test_hung_rank_is_found_and_replaced_in_process_bitwise(cluster, reference):
     assert "did not answer the abort" in log or re.search(r"rank 2 \(pid \d+\) exited", log)
 
 
+@pytest.mark.timeout(150)
+def test_survivors_wait_for_a_slow_replacement_without_a_false_hang(cluster, reference):
+    """Node 1 is lost and its replacement comes only after 4 heartbeat timeouts (a new
+    pod on a real cluster takes minutes): the survivors hold their state and wait,
+    beating, so no watchdog calls them hung and none is restarted; the job heals from
+    live replicas, bitwise."""
+    c = cluster("--heartbeat-timeout=2", "--inject-fault=kill-node node=1 step=11")
+    c.agent(0)
+    c.agent(1)
+    lose_node(c, 1, then=lambda: time.sleep(8.0))
+    run = c.finish()
+    check(run, reference, replaced={2, 3})
+    log = c.log()
+    assert "made no progress" not in log and "did not answer the abort" not in log, log
+
+
 @pytest.mark.timeout(120)
 def test_two_faults_in_a_row_bitwise(cluster, reference):
     c = cluster("--inject-fault=kill rank=1 step=7; kill rank=2 step=15")

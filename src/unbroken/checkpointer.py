@@ -8,7 +8,6 @@ import os
 import threading
 import warnings
 from collections.abc import Mapping, MutableMapping
-from concurrent import futures
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Literal
@@ -18,7 +17,6 @@ import torch.distributed as dist
 from unbroken.errors import CheckpointError
 from unbroken.format.directory import Directory
 from unbroken.format.layout import Manifest
-from unbroken.healing import records
 from unbroken.healing.stepper import Stepper
 from unbroken.job import abort
 from unbroken.job.background import PendingSave, SaveThread, wait_for
@@ -355,7 +353,7 @@ class Checkpointer:
             if bad.kind == "storage":
                 self._collector.damaged(bad.step)
         self._rollback = None if healed is None else healed.step
-        self._stepper.agree_layouts(state, self._memory)
+        self._stepper.restored(self._rollback, state, self._memory)  # collective
         worker.event("restore_done", step=self._rollback)
         return self._rollback
 
@@ -372,23 +370,22 @@ class Checkpointer:
             self._stepper.stop()
             self._collector.close()
             self._cadence.close()
-            records.forget(self._job)  # the job is over here: nothing left to heal
+            self._stepper.forget()  # the job is over here: nothing left to heal
             self._worker.shutdown(wait=True)
             self._comm.close()
 
-    def _abandon(self, timeout: float) -> bool:
+    def _abandon(self) -> list[Future[Any]]:
         """Stop using this checkpointer without talking to the other ranks (its group
-        is broken): cancel queued work and wait up to ``timeout`` for a save that is
-        writing files, not for a replication (its peers are gone or aborted too).
-        Whether the save stopped in time."""
+        is broken) and without waiting: cancel queued work; the saves still running
+        (`unbroken.job.abort.settle` lets the next save wait for them)."""
         if self._closed:
-            return True
+            return []
         self._closed = True
         self._stepper.stop()
         with self._lock:
-            running = [p._future for p in self._pending]
+            running = [p._future for p in self._pending if not p._future.done()]
         self._worker.shutdown(wait=False, cancel=True)
-        return not futures.wait(running, timeout).not_done
+        return running
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -210,6 +210,12 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Json:
                 "checkpoints hold dense tensors only: return .to_dense() from state_dict() "
                 "(and convert it back in load_state_dict())"
             )
+        if value.device.type == "meta":  # numpy's TypeError deep in a save, otherwise
+            raise CheckpointError(
+                f"{path} is a tensor on the meta device, which holds no data: materialise "
+                "the module first (module.to_empty(device=...), then load or initialise its "
+                "weights), or leave the tensor out of state_dict()"
+            )
         tensors[path] = value
         return {_TENSOR: path}
     if value is None or isinstance(value, bool | int | float | str):

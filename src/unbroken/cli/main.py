@@ -315,11 +315,8 @@ def _verify(opts: argparse.Namespace) -> int:
         results.append((m, damage))
         if opts.json:
             continue
-        for d in damage:
-            where = f"{d.file}" + (f", tensor {d.tensor!r}" if d.tensor else "")
-            console.print(f"[red]DAMAGED[/red] step {step}: {where}: {d.problem}", highlight=False)
-        if not damage:
-            console.print(f"[green]OK[/green] step {step}: every checksum matches", highlight=False)
+        for line in output.verdicts(step, damage):
+            console.print(line, highlight=False, soft_wrap=True)  # unwrapped: paths to copy
     if opts.json:
         output.dump(output.verify(opts.path, results))
     return DAMAGED if any(damage for _, damage in results) else OK

@@ -2,7 +2,7 @@
 
 The keys are part of the command line's contract (listed in the README's command-line
 section): add keys if needed, never rename or remove one. Sizes are in bytes, times in
-seconds since the epoch.
+seconds since the epoch. `verdicts` are the lines ``unbroken verify`` prints without it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from typing import Any
+
+from rich.markup import escape
 
 from unbroken.format.directory import Directory
 from unbroken.format.layout import Manifest
@@ -66,6 +68,18 @@ def show(path: str, m: Manifest) -> dict[str, Any]:
         "state": dict(leaves(m.objects_for(0))),
         "state_versions": len(m.objects),
     }
+
+
+def verdicts(step: int, damage: Sequence[Damage]) -> list[str]:
+    """What ``unbroken verify`` prints for ``step`` (rich markup): one ``DAMAGED`` line
+    per problem, naming the file (and the tensor), or one ``OK`` line."""
+    if not damage:
+        return [f"[green]OK[/green] step {step}: every checksum matches"]
+    lines = []
+    for d in damage:
+        where = d.file + (f", tensor {d.tensor!r}" if d.tensor else "")
+        lines.append(f"[red]DAMAGED[/red] step {step}: {escape(f'{where}: {d.problem}')}")
+    return lines
 
 
 def verify(path: str, results: Sequence[tuple[Manifest, list[Damage]]]) -> dict[str, Any]:

@@ -17,6 +17,10 @@ from unbroken.format.validate import latest_step
 from unbroken.run import faults
 from unbroken.storage import Storage
 
+# A ``latest`` pointer that is absent, a folder, a link or malformed: the listing says.
+_NO_POINTER = (FileNotFoundError, IsADirectoryError, CorruptCheckpointError, ValueError,
+               KeyError, TypeError)  # fmt: skip
+
 
 class Directory:
     """The checkpoints under one storage root. ``path`` names it in messages."""
@@ -52,10 +56,16 @@ class Directory:
         """The stored manifest of ``step``, unparsed; a clear error if it is not committed."""
         try:
             return self.storage.read(f"{step_dir(step)}/{MANIFEST}")
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # the step's name may be a file's
             raise CheckpointError(
                 f"{self.path} has no committed checkpoint for step {step}; committed steps: "
                 f"{_summary(self.steps())}"
+            ) from None
+        except (IsADirectoryError, PermissionError) as e:  # a link is refused likewise
+            raise CorruptCheckpointError(
+                f"{self.path}/{step_dir(step)}/{MANIFEST} cannot be read ({e.strerror}): "
+                "the step is damaged; restore an earlier one (see `unbroken ls`), or make "
+                "the manifest a readable file again"
             ) from None
 
     def parse(self, step: int, data: bytes) -> Manifest:
@@ -82,14 +92,15 @@ class Directory:
         the pointer is absent or malformed."""
         try:
             return latest_step(self.storage.read(LATEST))  # validate: hostile pointers
-        except (FileNotFoundError, CorruptCheckpointError, ValueError, KeyError, TypeError):
+        except _NO_POINTER:
             steps = self.steps()
             return steps[-1] if steps else None
 
     def leftovers(self) -> list[str]:
-        """Step directories without a manifest, and temporary copies of the ``latest``
-        pointer: what failed or crashed saves left (a process killed while replacing the
-        pointer leaves its temporary file; tests/test_crash.py found them piling up)."""
+        """Step directories without a manifest (and anything else under a step's name: a
+        link, a file), and temporary copies of the ``latest`` pointer: what failed or
+        crashed saves left (a process killed while replacing the pointer leaves its
+        temporary file; tests/test_crash.py found them piling up)."""
         return [
             name
             for name in self.storage.list("")
@@ -135,8 +146,8 @@ class Directory:
         try:
             self.storage.size(f"{folder}/{MANIFEST}")
             return True
-        except FileNotFoundError:
-            return False
+        except (FileNotFoundError, NotADirectoryError):  # a file named like a step folder
+            return False  # is no step: a leftover, removed as a link there is
         except CorruptCheckpointError:  # a link: counted, and found damaged when read
             return True
 

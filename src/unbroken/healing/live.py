@@ -10,7 +10,8 @@ replacement). Healing happens when, at restore:
   (every module entry wrapped by DDP: each rank holds the whole model), or DTensors
   with a replicated mesh dimension (HSDP, FSDP2 on a replicate x shard mesh: the ranks
   holding the same shard in the other replica groups are its replicas, `unbroken.healing.peers`);
-- every lost rank's record of L is held by a peer, and a live rank holds its replica;
+- every lost rank's record of L is held by a peer (or rebuilt from its prepared record
+  of L, `unbroken.healing.inflight`), and a live rank holds its replica;
 - the live replicas of each state (of each shard) are bitwise the same (full checksums;
   a difference is reported as silent data corruption and healing is refused).
 
@@ -18,11 +19,10 @@ Then, with every check passed on every rank before anything changes: each lost r
 receives the module and optimizer tensors (a DTensor's local part) from one live
 replica (lost ranks spread over them), point to point on the checkpointer's group,
 straight into its tensors, each checked on arrival, and its record from the peer that
-holds it; every rank loads
-its record's per-rank entries (a live rank's own record: idempotent for objects that
-survived, a repair for ones built anew). Anything else (ranks at different steps, a
-record missing, a pure FSDP shard, every replica of a shard lost) returns None, and the
-snapshot path (`unbroken.restoring.pipeline`) runs instead.
+holds it; every rank loads its record's per-rank entries (a live rank's own record:
+idempotent for objects that survived, a repair for ones built anew). Anything else
+(ranks at different steps, a record missing, a pure FSDP shard, every replica of a
+shard lost) returns None, and the snapshot path (`unbroken.restoring.pipeline`) runs.
 
 Once loaded, a checksum vote: each replacement hashes the replicated state it now holds
 (what ``load_state_dict`` made of what arrived: a model built in another dtype, or a
@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ from torch.optim import Optimizer
 from unbroken.errors import CheckpointError
 from unbroken.format.layout import checksum, dtype_name, verify_block
 from unbroken.format.shards import byte_view
-from unbroken.healing import messages, records
+from unbroken.healing import inflight, messages, records
 from unbroken.healing.messages import Meta
 from unbroken.healing.peers import local, replicated_entries, shard_peers
 from unbroken.healing.records import Record
@@ -67,6 +67,7 @@ class Plan:
     step: int
     source: dict[int, int]
     holder: dict[int, int]
+    rebuilt: dict[int, list[str]] = field(default_factory=dict)  # from prepared records
 
 
 def plan(table: list[dict[str, Any]]) -> Plan | None:
@@ -80,19 +81,18 @@ def plan(table: list[dict[str, Any]]) -> Plan | None:
         return None
     (step,) = steps
     lost = [r for r in range(len(table)) if r not in live]
-    holder, source = {}, {}
+    holder, source, rebuilt = {}, {}, {}
     for i, r in enumerate(lost):
         holders = [q for q in live if step in table[q]["held"].get(str(r), [])]
         sources = [q for q in live if _peers(table, r, q)]
+        if not holders and (prepared := inflight.rebuild(table, live, r)) is not None:
+            holders, rebuilt[r] = [prepared[0]], prepared[1]
         if not holders or not sources:
-            log.info(
-                "rank %d cannot be healed at step %d: %s", r, step,
-                "no live rank holds its step record" if not holders
-                else "no live rank holds a replica of its state",
-            )  # fmt: skip
+            why = "its step record" if not holders else "a replica of its state"
+            log.info("rank %d cannot be healed at step %d: no live rank holds %s", r, step, why)
             return None
         holder[r], source[r] = holders[0], sources[i % len(sources)]
-    return Plan(step, source, holder)
+    return Plan(step, source, holder, rebuilt)
 
 
 def _peers(table: list[dict[str, Any]], a: int, b: int) -> bool:
@@ -118,7 +118,8 @@ def heal(
     if replicas and mine is not None and records.fingerprint(state) == mine.header["fingerprint"]:
         live = mine.step
     held = {str(o): sorted(s) for o, s in records.held(job).items()}
-    row = {"live": live, "held": held, "peers": peers}
+    flight = None if live is None else inflight.row(job, comm.rank, mine)
+    row = {"live": live, "held": held, "peers": peers, "flight": flight}
     chosen = plan(messages.rows(comm.all_gather(row), comm.world_size))
     if chosen is None:
         return None
@@ -219,7 +220,11 @@ def _messages(
     held = records.held(job)
     send: dict[int, list[bytes]] = {}
     for lost in sorted(chosen.source):
-        if chosen.holder[lost] == comm.rank:
+        if chosen.holder[lost] == comm.rank and lost in chosen.rebuilt:
+            after = records.own(job, comm.rank).after  # type: ignore[union-attr]
+            record = inflight.merged(job, comm.rank, lost, after or 0, chosen.rebuilt[lost])
+            send.setdefault(lost, []).append(record)
+        elif chosen.holder[lost] == comm.rank:
             send.setdefault(lost, []).append(held[lost][chosen.step])
         if chosen.source[lost] == comm.rank:
             assert meta is not None

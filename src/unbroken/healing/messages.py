@@ -33,6 +33,7 @@ from unbroken.state import _ITEMS, _TENSOR, _TUPLE
 
 MAX_DEPTH = 100  # a state tree's nesting (an optimizer's is 5 deep): decoding recurses
 MAX_HELD = 64  # steps a row may say it holds for one rank (records keep 2)
+MAX_ENTRIES = 10_000  # top-level entries of a state, in a record's digests
 STATE_FACTOR = 8  # optimizer state bytes per parameter byte: Adam's two fp32 moments of bf16
 SCALAR_BYTES = 64  # ... and per parameter, for its scalars (a step count)
 _XXH3 = re.compile(r"[0-9a-f]{16}")
@@ -184,9 +185,40 @@ def rows(table: list[Any], world: int) -> list[dict[str, Any]]:
                 for step in steps:
                     _step_or_none(step, "a held step", optional=False)
             _ranks_or_none(row.get("peers"), world)
+            _flight(row.get("flight"), world)
         except ValueError as e:
             raise _malformed(rank, "plan row", e) from None
     return table
+
+
+def _flight(value: Any, world: int) -> None:
+    """A row's step in flight (`unbroken.healing.inflight.row`), or None."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError("flight is not an object")
+    _step_or_none(value.get("after"), "flight's after", optional=False)
+    _digests(value.get("post"))
+    if value.get("pre") is not None:
+        _digests(value["pre"])
+    held = value.get("held")
+    if not isinstance(held, dict) or len(held) > world:
+        raise ValueError("flight's held is not an object of at most one entry per rank")
+    for owner, found in held.items():
+        if not (owner.isascii() and owner.isdigit() and int(owner) < world):
+            raise ValueError(f"flight's held names no rank: {owner!r:.40}")
+        _digests(found)
+
+
+def _digests(value: Any) -> None:
+    """A record's ``{entry name: xxh3}``."""
+    if not (
+        isinstance(value, dict)
+        and len(value) <= MAX_ENTRIES
+        and all(isinstance(k, str) and isinstance(v, str) and _XXH3.fullmatch(v)
+                for k, v in value.items())
+    ):  # fmt: skip
+        raise ValueError(f"record digests are not names and checksums: {value!r:.60}")
 
 
 def digests(table: list[Any], world: int) -> list[tuple[str, list[int] | None] | None]:

@@ -36,7 +36,7 @@ from unbroken.format.shards import byte_view
 from unbroken.format.validate import MAX_STEP, MAX_WORLD
 from unbroken.healing import messages
 from unbroken.job.comm import Comm
-from unbroken.state import capture
+from unbroken.state import capture, tensor_keys
 
 KEEP = 2  # records kept per rank: the newest may be half-sent when a peer dies
 SAMPLES = 16  # elements sampled per tensor for a fingerprint
@@ -63,17 +63,31 @@ class Record:
     def rank(self) -> int:
         return int(self.header["rank"])
 
+    @property
+    def after(self) -> int | None:
+        """The step of the record this rank made (or restored) before this one."""
+        after = self.header.get("after")
+        return after if type(after) is int else None
+
     @classmethod
     def make(cls, step: int, rank: int, state: Mapping[str, Any], **extra: Any) -> Record:
+        """The record of ``state`` at ``step``; ``extra`` header fields (``after``: the
+        step of the record before it; ``layouts``...). Its ``digests`` name each entry's
+        value, for `unbroken.healing.inflight` to compare across ranks."""
         tensors, tree = capture({k: v for k, v in state.items() if not replicated(v)})
-        table, parts = [], []
+        table, parts = [], {}
         for key, t in tensors.items():
             cpu = t.detach().to("cpu").contiguous()
             table.append([key, dtype_name(cpu.dtype), list(cpu.shape)])
-            parts.append(bytes(byte_view(cpu)))
-        payload = b"".join(parts)
+            parts[key] = bytes(byte_view(cpu))
+        payload = b"".join(parts.values())
+        digests = {
+            name: checksum(memoryview(json.dumps(value, sort_keys=True).encode()
+                                      + b"".join(parts[k] for k in tensor_keys(value))))
+            for name, value in tree.items()
+        }  # fmt: skip
         header = {
-            "step": step, "rank": rank, "tree": tree, "tensors": table,
+            "step": step, "rank": rank, "tree": tree, "tensors": table, "digests": digests,
             "fingerprint": fingerprint(state), "xxh3": checksum(memoryview(payload)), **extra,
         }  # fmt: skip
         text = json.dumps(header).encode()
@@ -224,6 +238,7 @@ def exchange(comm: Comm, send: dict[int, bytes], receive: list[int]) -> dict[int
     into = {p: torch.empty(FIRST, dtype=torch.uint8) for p in receive}
     _run(comm, out, into)
     sizes = {p: int.from_bytes(into[p][:8].numpy().tobytes(), "little") for p in receive}
+    _check_sizes(sizes, max((len(b) for b in send.values()), default=0))
     rest_out = {
         p: torch.frombuffer(bytearray(b[FIRST - 8 :]), dtype=torch.uint8)
         for p, b in send.items()
@@ -237,6 +252,24 @@ def exchange(comm: Comm, send: dict[int, bytes], receive: list[int]) -> dict[int
         head = into[p][8 : 8 + min(n, FIRST - 8)].numpy().tobytes()
         got[p] = head + (rest_in[p].numpy().tobytes() if p in rest_in else b"")
     return got
+
+
+MAX_SLACK = 4  # a peer's record may be this many times this rank's own...
+MAX_FLOOR = 64 << 20  # ...or this many bytes, whichever is more
+
+
+def _check_sizes(sizes: dict[int, int], own: int) -> None:
+    """Refuse, before allocating, a record a peer says is far larger than this rank's
+    own: ranks of one job keep records of the same kinds of state, so a size past the
+    bound is a malformed message (or another program), never a reason to allocate."""
+    limit = max(MAX_SLACK * own, MAX_FLOOR)
+    for peer, size in sizes.items():
+        if size > limit:
+            raise CheckpointError(
+                f"rank {peer} sent a step record of {size} bytes, over the {limit} this "
+                f"rank accepts ({MAX_SLACK} x its own {own}): not allocated; every rank "
+                "must run the same training script and unbroken version"
+            )
 
 
 def _first(data: bytes) -> torch.Tensor:

@@ -11,13 +11,17 @@ import os
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
+import torch.distributed as dist
+from torch.optim import Optimizer
+
 from unbroken.access import read_own
 from unbroken.errors import CheckpointError
-from unbroken.healing import ddp_buckets, live, messages, records
+from unbroken.healing import ddp_buckets, inflight, live, messages, records
 from unbroken.healing.records import Record
 from unbroken.job.comm import Comm
 from unbroken.memory.tier import MemoryTier
 from unbroken.restoring.sources import Restored
+from unbroken.run import faults
 from unbroken.state import Captured
 
 log = logging.getLogger("unbroken")
@@ -34,16 +38,46 @@ class Stepper:
         self.partners, self.sources = partners, sources
         self.tracker = ddp_buckets.Tracker()
         self._noted: dict[str, ddp_buckets.Layout] | None = None
+        # The step of the last record or restore; None until the job records steps.
+        own = records.own(job, comm.rank)
+        self.last: int | None = None if own is None else own.step
+        self._prepared: int | None = None  # `last` when this rank last prepared a step
+        self._hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
 
     def record(self, step: int, state: Mapping[str, Any], memory: MemoryTier | None) -> Record:
         """Make and keep this rank's record of ``step`` (the caller sends it on)."""
         layouts = self.observe(state, memory)
         data_parallel = self.tracker.covered(state)
         record = Record.make(
-            step, self.comm.rank, state, layouts=layouts, data_parallel=data_parallel
-        )
+            step, self.comm.rank, state, layouts=layouts, data_parallel=data_parallel,
+            after=self.last,
+        )  # fmt: skip
         records.keep_own(self.job, record)
+        self.last = step
+        self.hook(state)
         return record
+
+    def hook(self, state: Mapping[str, Any]) -> None:
+        """Have every optimizer of ``state`` prepare its step before applying it."""
+        for value in state.values():
+            if isinstance(value, Optimizer) and id(value) not in self._hooks:
+                prepare = lambda *_: self.prepare(state)  # noqa: E731
+                self._hooks[id(value)] = value.register_step_pre_hook(prepare)
+
+    def prepare(self, state: Mapping[str, Any]) -> None:
+        """`unbroken.healing.inflight`: this rank's prepared record of the step about to
+        be applied, sent to its record peers, then a barrier; once per step."""
+        if self.last is None or self._prepared == self.last or self.comm.world_size == 1:
+            return
+        faults.point("step-gradients")
+        self._prepared = after = self.last
+        record = Record.make(
+            after + 1, self.comm.rank, state, after=after, layouts=self.tracker.layouts(state)
+        )
+        inflight.keep_own(self.job, record)
+        for owner, received in self._send(record, f"preparing step {after + 1}", True).items():
+            inflight.keep_held(self.job, owner, received.after or 0, received.data)
+        faults.point("step-prepared")
 
     def exchange(self, record: Record) -> None:
         """Send ``record`` to the partners and keep the records the sources send, on the
@@ -52,17 +86,24 @@ class Stepper:
         with one or two partners (one round trip, tag `records.TAG`, concurrent with
         the worker's replica traffic), never a collective. A failed peer fails it like
         a collective: `CheckpointError`."""
+        faults.point("step-applied")
+        got = self._send(record, f"sending the record of step {record.step}")
+        for owner, received in got.items():
+            records.keep_held(self.job, owner, received.step, received.data)
+
+    def _send(self, record: Record, what: str, barrier: bool = False) -> dict[int, Record]:
+        """Send ``record`` to the partners and receive the sources' records, checked;
+        with ``barrier``, then wait for every rank at the default group (gloo: in order
+        with the step's own collectives). A failed peer: `CheckpointError`."""
         try:
             got = records.exchange(
                 self.comm, dict.fromkeys(self.partners, record.data), self.sources
             )
+            if barrier and dist.is_initialized() and dist.get_backend() == "gloo":
+                dist.barrier()
         except RuntimeError as e:  # gloo: the peer is gone, or the group was aborted
-            raise CheckpointError(
-                f"sending the step record of step {record.step} failed ({e}): a peer failed"
-            ) from e
-        for owner, data in got.items():
-            received = Record.decode(data, f"rank {owner}")
-            records.keep_held(self.job, owner, received.step, data)
+            raise CheckpointError(f"{what} failed ({e}): a peer failed") from e
+        return {owner: Record.decode(data, f"rank {owner}") for owner, data in got.items()}
 
     def observe(self, state: Mapping[str, Any], memory: MemoryTier | None) -> dict[str, Any]:
         """The DDP layouts of ``state``'s wrappers, noted in shared memory when new
@@ -82,18 +123,27 @@ class Stepper:
         healed = live.heal(self.comm, self.job, state, captured)
         return None if healed is None else healed[0]
 
-    def agree_layouts(self, state: Mapping[str, Any], memory: MemoryTier | None) -> None:
-        """Every rank proposes the layouts it knows (its record, a record it holds, its
-        shared memory); all take the first proposal in rank order that fits the state, so
-        the wrappers of every rank get the same layout or none. A malformed one (from a
-        file or a peer) is passed over with a warning: it never breaks a restore.
-        Collective."""
-        proposals = self.comm.all_gather(self._known(state, memory))
+    def restored(
+        self, step: int | None, state: Mapping[str, Any], memory: MemoryTier | None
+    ) -> None:
+        """After a restore of ``step``, collective. The DDP layouts: every rank proposes
+        the layouts it knows (its record, a record it holds, its shared memory); all take
+        the first proposal in rank order that fits the state, so the wrappers of every
+        rank get the same layout or none (a malformed one, from a file or a peer, is
+        passed over with a warning: it never breaks a restore). And if any rank records
+        steps (a survivor; a replacement has no records yet), every rank prepares each
+        step from the next one on (`prepare`): all of them, or none would get past it."""
+        proposals = self.comm.all_gather([self._known(state, memory), self.last is not None])
         for rank, proposal in enumerate(proposals):
-            chosen = _fitting(proposal, state, f"the DDP layouts rank {rank} proposed")
+            raw = proposal[0] if isinstance(proposal, list) and len(proposal) == 2 else None
+            chosen = _fitting(raw, state, f"the DDP layouts rank {rank} proposed")
             if chosen:
                 self.tracker.owe(state, chosen)
-                return
+                break
+        recording = any(isinstance(p, list) and len(p) == 2 and p[1] is True for p in proposals)
+        if step is not None and recording:
+            self.last = step
+            self.hook(state)
 
     def _known(self, state: Mapping[str, Any], memory: MemoryTier | None) -> Layouts | None:
         for raw, where in self._candidates(memory):
@@ -118,8 +168,16 @@ class Stepper:
             except ValueError as e:
                 log.warning("ignoring %s: %s (not a DDP bucket layout of this job)", path, e)
 
+    def forget(self) -> None:
+        """Drop every record of the job (it finished)."""
+        records.forget(self.job)
+        inflight.forget(self.job)
+
     def stop(self) -> None:
         self.tracker.stop()
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
 
 
 Layouts = dict[str, ddp_buckets.Layout]

@@ -12,7 +12,11 @@ here and on the peer at the other end, which then fails too instead of waiting.
 Not quite every one: gloo can miss waking a send whose connection broke mid-transfer,
 which then waits for the group's timeout. So the Checkpointer never blocks its caller on
 its own gloo work without a bound: its waits poll `check`, and an aborted Checkpointer is
-abandoned (`Checkpointer._abandon`, through `register` and `abandon_all`), not joined.
+abandoned (`Checkpointer._abandon`, through `register` and `abandon_all`), not joined:
+a recovery never waits for a save of the failed generation. A save still running then
+can only fail (its group is aborted), but it may still be writing the files of its step,
+which the next generation may save again; so the next save waits for it first
+(`settle`), off the recovery's path.
 
 NCCL groups (GPU) are aborted through torch's own abort
 (``torch.distributed.distributed_c10d._abort_process_group``), which aborts every NCCL
@@ -31,17 +35,22 @@ training code creates itself are not tracked; their operations fail once a peer'
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import sys
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Protocol
+from concurrent import futures
+from typing import Any, Protocol
 
 from unbroken.errors import PeerLostError
 
+log = logging.getLogger("unbroken")
+
 POLL_S = 0.05  # how often waits of the Checkpointer look for an abort
+SETTLE_S = 60.0  # the longest a save waits for an abandoned save (then goes on, warned)
 
 _lock = threading.Lock()
 _owned: set[str] = set()  # "socket:[inode]" links of tracked connections
@@ -54,12 +63,13 @@ class Abandonable(Protocol):
     """Something with background work on a process group that an abort may leave stuck
     (a Checkpointer): it can be given up on without being joined."""
 
-    def _abandon(self, timeout: float) -> bool:
-        """Stop without waiting on any peer; False if still busy after ``timeout``."""
+    def _abandon(self) -> list[futures.Future[Any]]:
+        """Stop at once without waiting on any peer; the work still running."""
         ...
 
 
 _registered: weakref.WeakSet[Abandonable] = weakref.WeakSet()
+_leftover: list[futures.Future[Any]] = []  # abandoned work that was still running
 
 
 def register(obj: Abandonable) -> None:
@@ -68,10 +78,31 @@ def register(obj: Abandonable) -> None:
     _registered.add(obj)
 
 
-def abandon_all(timeout: float) -> list[str]:
+def abandon_all() -> list[str]:
     """Abandon every registered object of this process (in-process recovery, after its
-    groups were aborted); the reprs of those still busy after ``timeout``."""
-    return [repr(obj) for obj in list(_registered) if not obj._abandon(timeout)]
+    groups were aborted), waiting for none; the reprs of those whose work still runs."""
+    busy = []
+    for obj in list(_registered):
+        if running := obj._abandon():
+            busy.append(repr(obj))
+            with _lock:
+                _leftover.extend(running)
+    return busy
+
+
+def settle(what: str, timeout: float = SETTLE_S) -> None:
+    """Before ``what`` writes: wait for the abandoned work of an earlier generation to
+    end (it may be writing the files of the step about to be saved again). Returns at
+    once when there is none, which is nearly always: a failed save ends as soon as its
+    aborted group fails it."""
+    with _lock:
+        _leftover[:] = [f for f in _leftover if not f.done()]
+        running = list(_leftover)
+    if running and futures.wait(running, timeout).not_done:
+        log.warning(
+            "%s: a save abandoned by an earlier recovery is still running after %.0f s; "
+            "going on (its files are only ever an uncommitted step's)", what, timeout,
+        )  # fmt: skip
 
 
 def begin(generation: int = 0) -> None:

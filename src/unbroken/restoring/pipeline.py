@@ -76,8 +76,9 @@ def restore(
                     "`unbroken verify --all` lists what is damaged"
                 )
             return None
-        marked = choice.from_storage and ctx.comm.rank == 0
-        said = sdc.restoring(ctx.directory.storage, choice.step) if marked else None
+        # The suspect mark lives on storage, beside the manifest, whichever tier the
+        # step comes from: a snapshot of a step saved as suspect is as suspect.
+        said = sdc.restoring(ctx.directory.storage, choice.step) if ctx.comm.rank == 0 else None
         try:
             restored = _load(ctx, state, live, choice, strict)
         except Exception as e:  # on every rank: each stage fails everywhere or nowhere

@@ -191,16 +191,21 @@ class _Files:
 class StorageSource(_Files):
     """A committed checkpoint in a `Directory`."""
 
-    def __init__(self, directory: Directory, step: int, data: bytes | None = None) -> None:
+    def __init__(
+        self, directory: Directory, step: int, data: bytes | None = None, damage: str | None = None
+    ) -> None:
         """``data``: the manifest's bytes, if another rank fetched them (one request for
-        the job, not one per rank)."""
+        the job, not one per rank); ``damage``: why that rank could not read them, which
+        opening raises on every rank (`CorruptCheckpointError`)."""
         folder = step_dir(step)
         super().__init__(directory.storage, folder, f"{directory.path}/{folder}", verified=False)
-        self.directory, self.step, self._data = directory, step, data
+        self.directory, self.step, self._data, self._damage = directory, step, data, damage
         self.origin = Origin("storage", step)
         self._manifest: Manifest | None = None
 
     def open(self) -> Manifest:
+        if self._damage is not None:
+            raise CorruptCheckpointError(self._damage)
         if self._manifest is None:
             data = self._data
             if data is None:

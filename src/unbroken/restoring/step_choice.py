@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format.directory import Directory
 from unbroken.job.comm import Comm
 from unbroken.memory import replicas
@@ -65,12 +65,13 @@ def choose(
         def pick(in_memory: dict[int, dict[int, list[int]]] = in_memory) -> list[Any]:
             return [] if comm.rank else _on_rank_0(directory, step, in_memory, bad_storage)
 
-        chosen, text = comm.broadcast(comm.together("finding a checkpoint", pick))
+        chosen, text, damage = comm.broadcast(comm.together("finding a checkpoint", pick))
         if chosen is None:
             return None
         if chosen not in in_memory:
             origins = (Origin("storage", chosen),) * comm.world_size
-            source = StorageSource(directory, chosen, text.encode("latin-1"))
+            data = None if text is None else text.encode("latin-1")
+            source = StorageSource(directory, chosen, data, damage=damage)
             return Choice(step=chosen, source=source, origins=origins)
         assert memory is not None
         choice = _from_memory(comm, memory, chosen, in_memory[chosen])
@@ -91,8 +92,9 @@ def fell_back(step: int, tier: str, reason: str) -> None:
 def _on_rank_0(
     directory: Directory, step: int | None, in_memory: Mapping[int, object], bad: set[int]
 ) -> list[Any]:
-    """The step, and the manifest's bytes if they come from storage (one request for the
-    job; latin-1 carries any byte through JSON). The step the ``latest`` pointer names is
+    """The step, the manifest's bytes if they come from storage (one request for the
+    job; latin-1 carries any byte through JSON), and why they could not be read if the
+    manifest is damaged (see `_with_manifest`). The step the ``latest`` pointer names is
     not checked first: reading its manifest checks it, a request sooner."""
     chosen = _pick(directory, step, in_memory, bad, directory.pointed)
     try:
@@ -109,9 +111,16 @@ def _on_rank_0(
 def _with_manifest(
     directory: Directory, chosen: int | None, in_memory: Mapping[int, object]
 ) -> list[Any]:
+    """``[step, manifest text or None, damage or None]``. A manifest that is there but
+    cannot be read (a link, a folder: `CorruptCheckpointError`) is damage like a
+    manifest that does not parse: every rank's source fails to open with it, and the
+    restore passes the step over, naming it, or raises where it may not fall back."""
     if chosen is None or chosen in in_memory:
-        return [chosen, None]
-    return [chosen, directory.manifest_bytes(chosen).decode("latin-1")]
+        return [chosen, None, None]
+    try:
+        return [chosen, directory.manifest_bytes(chosen).decode("latin-1"), None]
+    except CorruptCheckpointError as e:
+        return [chosen, None, str(e)]
 
 
 def _pick(

@@ -10,7 +10,7 @@ A training script started by ``unbroken run`` (or plain torchrun) calls:
   ``save``): a heartbeat for the launcher's hang watchdog, and the point where injected
   faults fire. Outside ``unbroken run`` it costs a dictionary lookup;
 * `event(name, **fields)`, optionally: a line on the launcher's recovery timeline;
-* `in_process(train, *, timeout_s=60.0, wait_s=60.0)` instead of both
+* `in_process(train, *, timeout_s=60.0, wait_s=1200.0)` instead of both
   `init_process_group` and a direct call of ``train()``, for in-process recovery
   (``unbroken run --in-process``): ``train()`` runs again in the same process after a
   peer fails. It raises `InProcessError` where that cannot work. Under plain

@@ -34,18 +34,18 @@ import uuid
 from datetime import timedelta
 
 from unbroken.run import contract, gate
-from unbroken.run.args import RunOptions
+from unbroken.run.args import RunOptions, endpoint
 from unbroken.run.coordinator import ping
 from unbroken.run.listen import LOOPBACK
-from unbroken.run.news import Listener, announce
+from unbroken.run.news import Listener, announce, answer_pings, beat
 from unbroken.run.procs import descendants, kill_tree
 from unbroken.run.spare import Spares
 from unbroken.run.supervisor import Supervisor
-from unbroken.run.timeline import say
+from unbroken.run.timeline import first_line, say
 from unbroken.run.watch import Stale
 
 BEAT_S = 0.2  # the agent's heartbeat to the coordinator
-CLAIM_WAIT_S = 600.0  # how long an agent waits for a node slot to be free
+CLAIM_WAIT_S = 600.0  # how long an agent waits for its --node-rank's slot to be free
 CLAIM_POLL_S = 0.02  # a standby takes a freed slot this soon (part of every node loss)
 # From a ping or an abort on, for FAST_FOR_S, the agent polls every FAST_POLL_S instead of
 # `unbroken.run.cli.POLL_S`: settling and starting the next generation are on the
@@ -59,23 +59,20 @@ LOOK_S = 1.0  # between two looks at the store when nothing is announced (`run.n
 PROBE_S = 3.0
 
 
-def endpoint(targs: argparse.Namespace) -> tuple[str, int]:
-    """The coordinator's address: ``--rdzv-endpoint``, else ``--master-addr/--master-port``."""
-    if targs.rdzv_endpoint:
-        host, _, port = targs.rdzv_endpoint.rpartition(":")
-        return (host or targs.rdzv_endpoint), int(port or 29400)
-    return targs.master_addr, int(targs.master_port or 29400)
-
-
 class NodeAgent(Supervisor):
     """One node of a multi-node in-process job: the `Supervisor`'s workers, spares and
     watch, restricted to this node's ranks, with the decisions left to the coordinator."""
+
+    where = "?"  # the coordinator's address as given: messages name it, not the relay
+    standby = False  # counted in the coordinator as waiting for a slot
+    noted = -1  # the last generation whose failure elsewhere is on the timeline
 
     def __init__(self, opts: RunOptions, targs: argparse.Namespace, heartbeat_dir: str) -> None:
         super().__init__(opts, targs, heartbeat_dir)
         self.nodes = int(str(targs.nnodes).split(":")[-1])
         self.world = self.nodes * self.local
         self.host, self.port = endpoint(targs)
+        self.where = f"{self.host}:{self.port}"
         self.relay: gate.Relay | None = None  # to the coordinator's gate, with a secret
         given = any(o.split("=")[0] in ("--node-rank", "--node_rank") for o in opts.torchrun_opts)
         self.wanted: int | None = int(targs.node_rank) if given else None
@@ -97,6 +94,7 @@ class NodeAgent(Supervisor):
     def base_env(self) -> dict[str, str]:
         env = super().base_env()
         env["MASTER_ADDR"], env["MASTER_PORT"] = self.host, str(self.port)
+        env[contract.COORDINATOR_ENV] = self.where
         return env
 
     def rank_env(self, rank: int, generation: int) -> dict[str, str]:
@@ -109,7 +107,7 @@ class NodeAgent(Supervisor):
     def start(self) -> None:
         import torch.distributed as dist
 
-        where = f"{self.host}:{self.port}"
+        where = self.where
         try:
             self.relay = gate.relay_to(self.host, self.port, self.opts.ours.secret_file)
         except (gate.GateError, OSError) as e:
@@ -126,7 +124,38 @@ class NodeAgent(Supervisor):
                 f"unbroken run: cannot reach the coordinator at {where} ({why}); start "
                 f"`unbroken coordinator` there first, with this node's ${gate.SECRET_ENV}"
             ) from None
-        self._join_job()
+        try:
+            self._join()
+        except (RuntimeError, OSError) as e:  # torch's store errors: the coordinator left
+            raise SystemExit(
+                f"unbroken run: lost the coordinator at {where} while joining its job "
+                f"({first_line(e)}); if the job is not over, restart `unbroken coordinator` "
+                "there, then this agent"
+            ) from None
+        at = (self.host, self.port, self.id, self.stopped)
+        self.beater = threading.Thread(target=beat, args=(*at, BEAT_S), name="unbroken-beat")
+        self.beater.start()
+        self.answerer = threading.Thread(
+            target=answer_pings, args=(*at, self._pinged), name="unbroken-agent-ping"
+        )
+        self.answerer.start()
+        self.timeline.add(
+            "launch",
+            f"node agent {self.id}: node {self.slot} of {self.nodes} ({self.local} rank(s) "
+            f"each), coordinator {where}, heartbeat timeout {self.timeout:g} s",
+            node=self.slot,
+        )
+
+    def _join(self) -> None:
+        """Join the coordinator's job: its shape, spares, a node slot, its news."""
+        job = json.dumps({"nnodes": self.nodes, "nproc_per_node": self.local})
+        have = self.store.compare_set(contract.JOB_KEY, "", job).decode()
+        if json.loads(have) != json.loads(job):
+            raise SystemExit(
+                f"unbroken run: the coordinator at {self.where} runs a job of "
+                f"{have}, this agent was started for {job}: use the same --nnodes and "
+                "--nproc-per-node on every node (or another coordinator)"
+            )
         if self.opts.ours.warm_spare:
             # Ready before the slot is: an agent without --node-rank is a standby or a
             # replacement node, whose ranks all start at once: one spare for each.
@@ -136,77 +165,37 @@ class NodeAgent(Supervisor):
         self.slot = self._claim()
         self.news = Listener(self.host, self.port)
         announce(self.store)
-        self.beater = threading.Thread(target=self._beat, name="unbroken-agent-beat")
-        self.beater.start()
-        self.answerer = threading.Thread(target=self._answer, name="unbroken-agent-ping")
-        self.answerer.start()
-        self.timeline.add(
-            "launch",
-            f"node agent {self.id}: node {self.slot} of {self.nodes} ({self.local} rank(s) "
-            f"each), coordinator {where}, heartbeat timeout {self.timeout:g} s",
-            node=self.slot,
-        )
-
-    def _join_job(self) -> None:
-        job = json.dumps({"nnodes": self.nodes, "nproc_per_node": self.local})
-        have = self.store.compare_set(contract.JOB_KEY, "", job).decode()
-        if json.loads(have) != json.loads(job):
-            raise SystemExit(
-                f"unbroken run: the coordinator at {self.host}:{self.port} runs a job of "
-                f"{have}, this agent was started for {job}: use the same --nnodes and "
-                "--nproc-per-node on every node (or another coordinator)"
-            )
 
     def _claim(self) -> int:
         """Claim ``--node-rank``'s slot, or the first free one; wait while none is free
         (a replacement may start before its predecessor is declared lost)."""
         slots = range(self.nodes) if self.wanted is None else [self.wanted]
-        deadline = time.monotonic() + CLAIM_WAIT_S
-        said = False
+        # Any slot: a standby, which waits for a lost node as long as the job runs.
+        deadline = time.monotonic() + (math.inf if self.wanted is None else CLAIM_WAIT_S)
         done = [contract.slot_key(s, contract.DONE_SUFFIX) for s in range(self.nodes)]
         while time.monotonic() < deadline:
             if self.store.check(done):
                 say("the job finished while this agent waited for a node slot")
-                raise SystemExit(0)
+                raise SystemExit(0)  # cleanup() then says the coordinator may go
             for slot in slots:
                 key = contract.slot_key(slot, "owner")
                 if self.store.compare_set(key, "", self.id).decode() == self.id:
+                    self._wait_no_more()
                     return slot
-            if not said:
+            if not self.standby:
                 say(f"node slot(s) {list(slots)} taken: waiting for one to be free")
-                said = True
+                self.store.add(contract.STANDBY_KEY, 1)
+                self.standby = True
             time.sleep(CLAIM_POLL_S)
         raise SystemExit(f"unbroken run: no node slot of {list(slots)} came free in time")
 
-    def _beat(self) -> None:
-        import torch.distributed as dist
+    def _wait_no_more(self) -> None:
+        if self.standby:
+            self.standby = False
+            self.store.add(contract.STANDBY_KEY, -1)
 
-        store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False)
-        while not self.stopped.wait(BEAT_S):
-            try:
-                store.add(contract.agent_beat_key(self.id), 1)
-            except Exception:
-                return  # the coordinator is gone: poll() finds out
-        del store
-
-    def _answer(self) -> None:
-        """Beat at once each time the coordinator pings: it waits for the live agents'
-        answers to tell a lost node from the live ones (`unbroken.run.coordinator`)."""
-        import torch.distributed as dist
-
-        counter = f"{contract.AGENT_PREFIX}{self.id}/{contract.PING_SUFFIX}"
-        try:
-            store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False)
-            n = int(store.add(counter, 0))
-            while True:
-                n += 1
-                store.wait([f"{counter}-{n}"], timedelta(days=1))
-                if self.stopped.is_set():
-                    return
-                store.add(contract.agent_beat_key(self.id), 1)
-                self.fast_until = time.monotonic() + FAST_FOR_S
-        except Exception:
-            return  # the coordinator is gone: poll() finds out
+    def _pinged(self) -> None:
+        self.fast_until = time.monotonic() + FAST_FOR_S
 
     # -- the drive loop's calls
 
@@ -221,7 +210,10 @@ class NodeAgent(Supervisor):
         try:
             return self._poll()
         except (RuntimeError, OSError) as e:  # the store: the coordinator is gone
-            self.give_up(f"lost the coordinator at {self.host}:{self.port} ({e})")
+            self.give_up(
+                f"lost the coordinator at {self.where} ({first_line(e)}); restart "
+                "`unbroken coordinator` there, then the job"
+            )
             return bool(self.live_pids())
 
     def _poll(self) -> bool:
@@ -246,7 +238,10 @@ class NodeAgent(Supervisor):
             self._handle_abort()  # this agent's own abort too, in the same call
         self.replenish()
         if self.workers and all(w.done for w in self.workers.values()):
-            self._stop_beating()  # before the coordinator may exit: no beat into a void
+            # Before the coordinator may exit: no beat, and no spare, into a void.
+            self._stop_beating()
+            if self.spares is not None:
+                self.spares.stop()
             self.store.set(contract.slot_key(self.slot, contract.DONE_SUFFIX), self.id)
             announce(self.store)
             return False
@@ -284,7 +279,11 @@ class NodeAgent(Supervisor):
         if not self.store.check([key]):
             return
         self.fast_until = time.monotonic() + FAST_FOR_S
-        if json.loads(self.store.get(key)).get("hang") and self.probing is None:
+        reason = json.loads(self.store.get(key))
+        if self.noted < g and reason.get("node", self.slot) != self.slot:
+            self.noted = g
+            self.timeline.remote_failure(reason, g)  # the summary names it
+        if reason.get("hang") and self.probing is None:
             self.probing = (g, time.monotonic() + PROBE_S)
         if self.probing is not None:
             self.probe()
@@ -380,6 +379,8 @@ class NodeAgent(Supervisor):
     def cleanup(self) -> None:
         super().cleanup()
         self._stop_beating()
+        with contextlib.suppress(Exception):  # the coordinator may be gone
+            self._wait_no_more()  # last: the spares, which use the store, are gone
 
     def _stop_beating(self) -> None:
         self.stopped.set()

@@ -311,6 +311,14 @@ def _int(text: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def endpoint(targs: argparse.Namespace) -> tuple[str, int]:
+    """The coordinator's address: ``--rdzv-endpoint``, else ``--master-addr/--master-port``."""
+    if targs.rdzv_endpoint:
+        host, _, port = targs.rdzv_endpoint.rpartition(":")
+        return (host or targs.rdzv_endpoint), int(port or 29400)
+    return targs.master_addr, int(targs.master_port or 29400)
+
+
 def multi_node(opts: RunOptions) -> bool:
     """Whether an in-process launch is one node agent of a multi-node job: it names a
     coordinator (``--rdzv-endpoint`` or ``--master-addr``) and is not a simulation."""

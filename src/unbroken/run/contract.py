@@ -19,6 +19,9 @@ MEMORY_DIR_ENV = "UNBROKEN_MEMORY_DIR"  # root of the node's shared-memory snaps
 IN_PROCESS_ENV = "UNBROKEN_IN_PROCESS"  # "1" when the in-process supervisor started it
 EVENTS_DIR_ENV = "UNBROKEN_EVENTS_DIR"  # where events go, if not the heartbeat directory
 RUN_DIR_ENV = "UNBROKEN_RUN_DIR"  # `unbroken run`: the run directory to use (new or empty)
+# Across machines: the coordinator's address as the user gave it, for messages (a node's
+# MASTER_ADDR:MASTER_PORT is its loopback relay to the coordinator, `unbroken.run.gate`).
+COORDINATOR_ENV = "UNBROKEN_COORDINATOR"
 
 # -- shared memory ----------------------------------------------------------------------
 
@@ -49,6 +52,9 @@ SPAWN_KEY = "spawn"  # unbroken/gen-<g>/spawn-<agent id>: JSON ranks to start fo
 SETTLED_KEY = "settled"  # unbroken/gen-<g>/settled-<agent id>: JSON ranks the node lost
 SUSPECT_KEY = "unbroken/suspect"  # -<g>: "<rank>," per worker that saw a peer vanish in g
 PING_SUFFIX = "ping"  # unbroken/agent-<id>/ping: a counter; /ping-<n>: beat now, please
+# A counter of the agents waiting for a node slot (standbys): a coordinator told to exit
+# when the job is done waits for them to see it first, so none finds the store gone.
+STANDBY_KEY = "unbroken/standby"
 
 # -- files in the heartbeat directory (the run directory under `unbroken run`) ----------
 

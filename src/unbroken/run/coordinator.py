@@ -41,8 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
+import threading
 import time
+from types import FrameType
 from typing import Any
 
 from unbroken.run import contract, gate, listen
@@ -53,6 +56,10 @@ POLL_S = 0.02
 LOOK_S = 0.5  # at most this long between two looks at the store when nothing is announced
 NODE_TIMEOUT_S = 2.0
 SUSPECT_TIMEOUT_S = 0.2
+# --exit-when-done: how long the coordinator waits, at most, for the agents still waiting
+# for a node slot (standbys) to see that the job is over before it exits (all of it only
+# if one of them died waiting: it never says it saw the end).
+STANDBY_WAIT_S = 10.0
 
 
 def log(message: str) -> None:
@@ -171,7 +178,7 @@ class Coordinator:
         self.beats.pop(agent, None)
         if self.started:
             failed = list(range(slot * self.local, (slot + 1) * self.local))
-            reason = {"failed": failed, "node": slot, "hang": False}
+            reason = {"failed": failed, "node": slot, "hang": False, "lost": why}
             self.store.compare_set(self._abort_key(), "", json.dumps(reason))
         announce(self.store)
 
@@ -238,8 +245,23 @@ def serve(
     print(f"unbroken coordinator: listening on {host}:{listening}", flush=True)
     coordinator = Coordinator(store, node_timeout, suspect_timeout)
     coordinator.news = Listener(local, store.port)
+    stop = threading.Event()
+
+    def stopping(sig: int, frame: FrameType | None) -> None:
+        log(f"stopping (signal {sig})")  # an orderly stop: one line, no traceback
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, stopping)
     try:
-        while coordinator.poll() or not exit_when_done:
+        while not stop.is_set() and (coordinator.poll() or not exit_when_done):
+            time.sleep(POLL_S)
+        deadline = time.monotonic() + STANDBY_WAIT_S
+        # Standbys see the job's end and leave before the store does (unbroken.run.agent).
+        while not stop.is_set() and int(store.add(contract.STANDBY_KEY, 0)) > 0:
+            if time.monotonic() > deadline:
+                break
             time.sleep(POLL_S)
     finally:
         coordinator.news.stop(store)
@@ -290,7 +312,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--exit-when-done",
         action="store_true",
-        help="exit once every node finished (default: serve until stopped)",
+        help="exit once every node finished and every standby saw it (default: serve)",
     )
     a = p.parse_args(argv)
     if a.node_timeout <= 0 or a.suspect_timeout <= 0:

@@ -45,6 +45,9 @@ POINTS = (
     "replica-transfer",  # replicas.replicate: the bytes received, not yet published
     "replica-published",  # replicas.replicate: published, before the ranks agree
     "heal",  # healing.heal: the plan agreed, before the transfers
+    "step-gradients",  # healing.stepper: the step's gradients exchanged, not yet prepared
+    "step-prepared",  # healing.stepper: prepared and past the barrier, not yet applied
+    "step-applied",  # healing.stepper: applied, its record not yet sent
 )
 
 

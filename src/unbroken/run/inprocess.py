@@ -62,7 +62,12 @@ from unbroken.run.news import announce
 
 T = TypeVar("T")
 
-WAIT_S = 60.0  # how long a rank waits for the supervisor to start a new generation
+# How long a healthy rank waits for a failed peer's replacement once the supervisor is
+# recovering (it aborted the generation): a replacement pod or node can take minutes.
+WAIT_S = 1200.0
+# How long a rank whose collective failed waits for the supervisor to see a failure at
+# all: past it, no peer died, and the error is the training code's own.
+ACK_S = 60.0
 FALLBACK = "run the job without --in-process: `unbroken run` restarts every worker instead"
 # What a collective raises when a peer's process is gone (its sockets closed).
 _PEER_GONE = (
@@ -86,12 +91,13 @@ def in_process(train: Callable[[], T], *, timeout_s: float = 60.0, wait_s: float
     process, each time a peer fails and the supervisor replaces it.
 
     ``timeout_s`` bounds process-group initialisation and every collective; ``wait_s``
-    how long to wait for the supervisor to start a new generation after a failure."""
+    how long a healthy rank waits for a failed peer's replacement (`_next_generation`)."""
     if os.environ.get(contract.IN_PROCESS_ENV) != "1":
         return _once(train, timeout_s)
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    where = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    # The coordinator as the user named it (a node agent's relay is only a local port).
+    where = env.get(contract.COORDINATOR_ENV) or f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     try:
         store = _connect(timeout_s)
         generation = _generation(store)
@@ -214,9 +220,9 @@ def _abandon(generation: int) -> None:
     from torch.distributed import distributed_c10d
 
     abort.shutdown()
-    busy = abort.abandon_all(timeout=2.0)
+    busy = abort.abandon_all()  # never waited for: the next save settles them (`abort.settle`)
     if busy:
-        worker.event("abandon_slow", generation=generation, checkpointers=busy)
+        worker.event("abandoned_saves", generation=generation, checkpointers=busy)
     # The failed groups are kept, never destroyed: destroying a gloo group whose worker
     # is still disposing of a failed operation deadlocks (the worker holds the group's
     # lock and waits for the GIL, which the destroying thread holds), and one with an
@@ -267,11 +273,15 @@ def _generation(store: Any) -> int:
 
 
 def _next_generation(store: Any, generation: int, wait_s: float, error: str, where: str) -> int:
-    """The first generation after ``generation``, once the supervisor starts it."""
-    deadline = time.monotonic() + wait_s
+    """The first generation after ``generation``, once the supervisor starts it: within
+    `ACK_S` if it never aborted ``generation`` (it saw no failure), else within
+    ``wait_s`` (it is waiting for a replacement), beating the heartbeat meanwhile."""
+    started = time.monotonic()
+    recovering = False
     while True:
         try:
             now = _generation(store)
+            recovering = recovering or store.check([f"{contract.ABORT_KEY}-{generation}"])
         except Exception as e:
             raise InProcessError(
                 f"a peer failed ({error}) and the supervisor's store at {where} is gone "
@@ -279,13 +289,30 @@ def _next_generation(store: Any, generation: int, wait_s: float, error: str, whe
             ) from None
         if now > generation:
             return now
-        if time.monotonic() > deadline:
+        _waiting()
+        waited = time.monotonic() - started
+        if not recovering and waited > min(ACK_S, wait_s):
             raise InProcessError(
-                f"a collective failed ({error}) but the supervisor started no new "
-                f"generation within {wait_s:g} s: no peer died, so this is an error of the "
-                "training code itself, or the supervisor is stuck"
+                f"a collective failed ({error}) but the supervisor saw no failure within "
+                f"{min(ACK_S, wait_s):g} s: no peer died, so this is an error of the training "
+                "code itself, or the supervisor is stuck"
             )
-        time.sleep(0.01)
+        if waited > wait_s:
+            raise InProcessError(
+                f"a peer failed ({error}) and no replacement joined within {wait_s:g} s: "
+                "add standby capacity (--warm-spare, a standby node), or give "
+                "in_process(wait_s=...) more time"
+            )
+        time.sleep(0.01 if waited < 1.0 else 0.1)
+
+
+def _waiting() -> None:
+    """A heartbeat of the last step while this rank waits for a failed peer's
+    replacement: waiting is not hanging, and no watchdog may report or restart it."""
+    context = worker.current()
+    now = time.monotonic()
+    if context.dir is not None and now - context.last_beat >= worker.HEARTBEAT_INTERVAL_S:
+        context.beat(context.beat_step, now)
 
 
 def _peer_failure(error: BaseException) -> bool:

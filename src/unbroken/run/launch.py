@@ -15,10 +15,18 @@ machines, and under Kubernetes (docs/kubernetes.md). On top of torchrun:
   starts a replacement agent, like a new machine joining.
 * a timeline (fault, detection, restart, first step after it) printed at the end and
   written as JSON with ``--timeline-json`` (`unbroken.run.timeline`).
+
+torchrun's c10d rendezvous store listens on every interface, and its state is a pickle
+that every agent loads: whoever reaches it could run code as the job's user. So the
+launcher hosts that store itself, on the one address the job needs (`bind_rendezvous`):
+on loopback for one node (simulated nodes included), on the address ``--rdzv-endpoint``
+names for the node that hosts it across machines. docs/kubernetes.md says what torchrun
+still exposes there, and how to fence it.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -31,10 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from unbroken.run import contract, listen
-from unbroken.run.args import RunOptions
+from unbroken.run.args import RunOptions, torchrun_parser
 from unbroken.run.nodes import NodeMemory
 from unbroken.run.procs import kill_tree
-from unbroken.run.timeline import Timeline
+from unbroken.run.timeline import Timeline, say
 from unbroken.run.watch import Stale, Watch
 
 AFTER_KILL = "torchrun restarts the workers"  # what follows a watchdog kill
@@ -42,6 +50,18 @@ AFTER_KILL = "torchrun restarts the workers"  # what follows a watchdog kill
 # this interval (seconds): 2 x 1 s instead of torch's default 3 x 5 s, which left the
 # surviving agents waiting ~13 s for the dead one before they could re-rendezvous.
 KEEP_ALIVE = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
+RDZV_PORT = 29400  # torch's c10d rendezvous port where --rdzv-endpoint names none
+_TRUE = ("1", "true", "t", "yes", "y")  # torch's spellings of a true --rdzv-conf value
+# What a one-node job's own rendezvous replaces (`bind_rendezvous`).
+ONE_NODE_SETS = {
+    "--standalone",
+    "--rdzv-backend",
+    "--rdzv-endpoint",
+    "--rdzv-id",
+    "--rdzv-conf",
+    "--master-addr",
+    "--master-port",
+}
 
 
 def with_keep_alive(opts: list[str]) -> list[str]:
@@ -68,6 +88,92 @@ def with_keep_alive(opts: list[str]) -> list[str]:
     given = dict(kv.split("=", 1) for kv in conf.split(",") if "=" in kv)
     merged = {**KEEP_ALIVE, **given}
     return [*out, "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in merged.items())]
+
+
+def _drop(opts: list[str], names: set[str]) -> tuple[list[str], dict[str, str]]:
+    """``opts`` without the options ``names`` (spelt with - or _), and their values
+    ("" for the flag ``--standalone``)."""
+    out: list[str] = []
+    found: dict[str, str] = {}
+    i = 0
+    while i < len(opts):
+        name, eq, value = opts[i].partition("=")
+        key = name.replace("_", "-")
+        if key not in names:
+            out.append(opts[i])
+        elif eq or key == "--standalone" or i + 1 == len(opts):
+            found[key] = value
+        else:
+            found[key] = opts[i + 1]
+            i += 1
+        i += 1
+    return out, found
+
+
+def _conf(text: str, **forced: str) -> str:
+    """``--rdzv-conf`` text ``text`` with the values ``forced`` (they win)."""
+    given = dict(kv.split("=", 1) for kv in text.split(",") if "=" in kv)
+    return ",".join(f"{k}={v}" for k, v in {**given, **forced}.items())
+
+
+def bind_rendezvous(opts: list[str], targs: argparse.Namespace) -> tuple[list[str], Any]:
+    """torchrun options ``opts`` (parsed: ``targs``) under which the launcher hosts the
+    rendezvous store, on the one address the job needs, and that store; None where
+    torchrun keeps its own (another backend, a node that does not host it, an endpoint
+    naming no address here). One node: loopback. Across machines, on the node that
+    hosts it (``is_host`` in ``--rdzv-conf``, else torch's own test of the endpoint's
+    name): the address the endpoint's name has here (`listen.local_address`)."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    backend, endpoint = targs.rdzv_backend, targs.rdzv_endpoint or ""
+    host, port = parse_rendezvous_endpoint(endpoint, RDZV_PORT)
+    if not endpoint and backend == "static":
+        host, port = targs.master_addr, targs.master_port or 0
+    nodes = str(targs.nnodes).split(":")[-1]
+    if targs.standalone or (
+        nodes == "1" and backend in ("static", "c10d") and listen.is_loopback(host)
+    ):
+        store = listen.store(listen.LOOPBACK, 0 if targs.standalone else port, timeout=300)
+        # torchrun names a one-node job anew where it made the rendezvous up itself.
+        fresh = targs.standalone or (backend == "static" and targs.master_port is None)
+        rest, given = _drop(opts, ONE_NODE_SETS)
+        return [
+            *rest,
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={listen.LOOPBACK}:{store.port}",
+            f"--rdzv-id={uuid.uuid4() if fresh else targs.rdzv_id}",
+            f"--rdzv-conf={_conf(given.get('--rdzv-conf', ''), is_host='false')}",
+            # The node's address, where worker rank 0's store is (MASTER_ADDR): loopback.
+            *([] if targs.local_addr else [f"--local-addr={listen.LOOPBACK}"]),
+        ], store
+    if backend != "c10d" or not endpoint:
+        return opts, None
+    return _host_across(opts, host, port)
+
+
+def _host_across(opts: list[str], host: str, port: int) -> tuple[list[str], Any]:
+    """`bind_rendezvous` across machines."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    rest, given = _drop(opts, {"--rdzv-conf"})  # keep-alives merged in: `with_keep_alive`
+    conf = given.get("--rdzv-conf", "")
+    told = dict(kv.split("=", 1) for kv in conf.split(",") if "=" in kv).get("is_host")
+    if not (_matches_machine_hostname(host) if told is None else told.lower() in _TRUE):
+        return opts, None
+    addr = listen.local_address(host)
+    if addr is None:
+        say(
+            f"torchrun's rendezvous store listens on every interface: {host} names no "
+            "address of this machine but loopback; fence its port (docs/kubernetes.md)"
+        )
+        return opts, None
+    try:
+        store = listen.store(addr, port, timeout=300)
+    except OSError as e:
+        if told is not None:
+            raise SystemExit(f"unbroken run: {e}") from None
+        return opts, None  # another process here hosts it: torch's agent finds it too
+    return [*rest, f"--rdzv-conf={_conf(conf, is_host='false')}"], store
 
 
 @dataclass
@@ -102,7 +208,7 @@ class RestartAll:
         self.watch = Watch(heartbeat_dir, self.timeline, self.timeout, self)
         self.agents: list[Agent] = []
         self.memory: NodeMemory | None = None
-        self.store: Any = None  # the simulated nodes' rendezvous store, hosted here
+        self.store: Any = None  # torchrun's rendezvous store, if hosted here
         self.stopping = False
 
     def env(self) -> dict[str, str]:
@@ -110,7 +216,10 @@ class RestartAll:
 
     def start(self) -> None:
         nodes = self.opts.ours.simulate_nodes
-        torchrun = self.opts.torchrun_opts if nodes else with_keep_alive(self.opts.torchrun_opts)
+        torchrun = self.opts.torchrun_opts
+        if nodes is None:
+            targs = torchrun_parser().parse_args([*torchrun, *self.opts.script])
+            torchrun, self.store = bind_rendezvous(with_keep_alive(torchrun), targs)
         base = [sys.executable, "-m", "torch.distributed.run", *torchrun]
         if nodes is None:
             self.agents = [Agent(None, [*base, *self.opts.script], self.env())]
@@ -118,11 +227,16 @@ class RestartAll:
             self.agents = self._node_agents(base, nodes)
         what = "1 torchrun agent" if nodes is None else f"{nodes} simulated nodes"
         faults = "; ".join(map(str, self.opts.faults)) or "none"
+        where = "" if self.store is None else f", rendezvous store {self._where()}"
         self.timeline.add(
-            "launch", f"{what}, heartbeat timeout {self.timeout:g} s, faults: {faults}"
+            "launch", f"{what}{where}, heartbeat timeout {self.timeout:g} s, faults: {faults}"
         )
         for agent in self.agents:
             agent.start()
+
+    def _where(self) -> str:
+        host = self.store.host
+        return f"[{host}]:{self.store.port}" if ":" in host else f"{host}:{self.store.port}"
 
     def _node_agents(self, base: list[str], nodes: int) -> list[Agent]:
         # The launcher hosts the rendezvous store: it must outlive any node.

@@ -18,6 +18,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from unbroken.run import listen
+
 
 def _measure_rank(port: int, rank: int, world: int, rounds: int, out: Any) -> None:
     import torch.distributed as dist
@@ -48,12 +50,10 @@ def measure(worlds: list[int], rounds: int = 5) -> dict[int, float]:
     import multiprocessing as mp
     import statistics
 
-    import torch.distributed as dist
-
     ctx = mp.get_context("spawn")
     result = {}
     for world in worlds:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store = listen.store()  # loopback only, as every store of unbroken's
         queue = ctx.Queue()
         procs = [
             ctx.Process(target=_measure_rank, args=(store.port, r, world, rounds, queue))

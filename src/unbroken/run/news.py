@@ -1,4 +1,5 @@
-"""Waiting for changes in the coordinator's store instead of polling it.
+"""Waiting for changes in the coordinator's store instead of polling it; and a node
+agent's signs of life to the coordinator (`beat`, `answer_pings`).
 
 Every write that someone else must act on (an abort, a new generation, a worker's
 report of a lost peer, a freed or claimed node slot, a node's ranks settled or done) is
@@ -14,8 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from unbroken.run import contract
 
 NEWS_KEY = "unbroken/news"  # a counter; -<n>: set once the n-th change is written
 
@@ -65,3 +69,40 @@ class Listener:
                 self.changed.set()
         except Exception:
             self.changed.set()  # the store is gone: let the reader look and find out
+
+
+def beat(host: str, port: int, agent: str, stopped: threading.Event, every: float) -> None:
+    """Bump ``agent``'s beat counter every ``every`` seconds, on a connection of its own,
+    until ``stopped``: the coordinator's node-loss detector watches it."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
+    while not stopped.wait(every):
+        try:
+            store.add(contract.agent_beat_key(agent), 1)
+        except Exception:
+            return  # the coordinator is gone: the agent's poll finds out
+    del store
+
+
+def answer_pings(
+    host: str, port: int, agent: str, stopped: threading.Event, pinged: Callable[[], None]
+) -> None:
+    """Beat at once, then call ``pinged``, each time the coordinator pings ``agent``: it
+    waits for the live agents' answers to tell a lost node from the live ones
+    (`unbroken.run.coordinator`). Ends at the first ping after ``stopped``."""
+    import torch.distributed as dist
+
+    counter = f"{contract.AGENT_PREFIX}{agent}/{contract.PING_SUFFIX}"
+    try:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
+        n = int(store.add(counter, 0))
+        while True:
+            n += 1
+            store.wait([f"{counter}-{n}"], timedelta(days=1))
+            if stopped.is_set():
+                return
+            store.add(contract.agent_beat_key(agent), 1)
+            pinged()
+    except Exception:
+        return  # the coordinator is gone: the agent's poll finds out

@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from unbroken.run import contract
+from unbroken.run.procs import kill_tree
 
 SpareProcess = tuple[str, subprocess.Popen[bytes]]  # its store key, its process
 
@@ -68,6 +69,14 @@ class Spares:
     def processes(self) -> list[subprocess.Popen[bytes]]:
         return [proc for _, proc in self.idle]
 
+    def stop(self) -> None:
+        """End the idle spares (they hold connections to the store)."""
+        for _, proc in self.idle:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+                proc.wait()
+        self.idle = []
+
 
 def serve(key: str) -> None:
     """Be a warm spare: import torch and the library, say so under ``KEY/ready``, wait for
@@ -82,20 +91,25 @@ def serve(key: str) -> None:
     from unbroken.run import worker
 
     env = os.environ
-    store = dist.TCPStore(
-        env["MASTER_ADDR"],
-        int(env["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=30),
-        wait_for_workers=False,
-    )
-    store.set(f"{key}/{contract.SPARE_READY}", str(os.getpid()))
     parent = os.getppid()
-    while not store.check([f"{key}/{contract.SPARE_ASSIGN}"]):
-        if os.getppid() != parent:
-            sys.exit(0)  # the supervisor is gone
-        time.sleep(0.005)
-    job = json.loads(store.get(f"{key}/{contract.SPARE_ASSIGN}"))
+    try:
+        store = dist.TCPStore(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=30),
+            wait_for_workers=False,
+        )
+        store.set(f"{key}/{contract.SPARE_READY}", str(os.getpid()))
+        while not store.check([f"{key}/{contract.SPARE_ASSIGN}"]):
+            if os.getppid() != parent:
+                sys.exit(0)  # the supervisor is gone
+            time.sleep(0.005)
+        job = json.loads(store.get(f"{key}/{contract.SPARE_ASSIGN}"))
+    except RuntimeError:  # torch's store errors (DistNetworkError among them)
+        # The store went away (the job ended, or the coordinator was lost): a spare has
+        # nothing to add to what its supervisor or agent says about that.
+        sys.exit(0)
     os.environ.update(job["env"])
     worker.reset()
     del store

@@ -25,11 +25,19 @@ from unbroken.access import Access
 Event = dict[str, Any]
 Recovery = dict[str, Any]
 Mode = Literal["restart", "in-process"]
-DETECTIONS = ("worker_exit", "hang_detected", "node_kill_requested")
+# remote_failure: across machines, another node's failure as this node's agent read it
+# from the generation's abort (`Timeline.remote_failure`).
+DETECTIONS = ("worker_exit", "hang_detected", "node_kill_requested", "remote_failure")
+NOTICED = ("peer_failure", "abort")  # a rank's events: it saw its generation fail
 
 
 def say(message: str) -> None:
     print(f"unbroken run: {message}", file=sys.stderr, flush=True)
+
+
+def first_line(error: BaseException) -> str:
+    """An error's message for a one-line report (torch's store errors run to many)."""
+    return next(iter(str(error).splitlines()), type(error).__name__)
 
 
 @dataclass
@@ -58,6 +66,21 @@ class Timeline:
         self.events.append({"event": event, "t": round(t - self.t0, 4), **kw})
         if message is not None:
             say(f"[{t - self.t0:7.2f} s] {message}")
+
+    def remote_failure(self, reason: dict[str, Any], generation: int) -> None:
+        """Record another node's failure (``reason``: its generation's abort, across
+        machines), dated at the first sign of it here: a local rank saw ``generation``
+        fail. The summary then names it."""
+        node, ranks, lost = reason["node"], reason.get("failed"), reason.get("lost")
+        what = f"ranks {ranks} of node {node} failed"
+        if lost or reason.get("hang"):
+            what = f"node {node} lost" if lost else f"a rank of node {node} hung"
+        mine = [e for e in self.events if e.get("attempt") == generation]
+        first = min((e["t"] for e in mine if e["event"] in NOTICED), default=None)
+        step = max((s for s, _ in self.last_step.values()), default=None)
+        t = None if first is None else self.t0 + first
+        message = f"{what} ({lost})" if lost else what
+        self.add("remote_failure", message, t, node=node, what=what, step=step)
 
     def recoveries(self) -> list[Recovery]:
         """One per failure (`failures`), in order (see `restart_recoveries` and
@@ -137,7 +160,7 @@ def failures(events: list[Event], last_step: dict[int, tuple[int, float]]) -> li
             open_ = None
         elif e["event"] in DETECTIONS and (open_ is None or started.get(e.get("pid"), 0) > open_):
             restarted = any(x["event"] in ("process_start", "respawn") for x in events[i:])
-            if ended_ok and not restarted:
+            if ended_ok and not restarted and e["event"] != "remote_failure":
                 continue  # the workers finished: a launch that ends well had no failure
             out.append(_real_failure(e, events, last_step))
             open_ = out[-1]["t"]
@@ -149,7 +172,8 @@ def _real_failure(
 ) -> Event:
     pid, rank = detected.get("pid"), detected.get("rank")
     launcher = (*DETECTIONS, "hung")  # the launcher's events about the process
-    seen = [e["t"] for e in events if e.get("pid") == pid and e["event"] not in launcher]
+    mine = [e for e in events if pid is not None and e.get("pid") == pid]  # not a node's
+    seen = [e["t"] for e in mine if e["event"] not in launcher]
     step, step_t = last_step.get(pid, (None, None)) if pid is not None else (None, None)
     if step_t is not None:
         seen.append(step_t)
@@ -159,10 +183,11 @@ def _real_failure(
     t = max(seen, default=detected["t"])
     what = {"worker_exit": "exited", "hang_detected": "hung", "node_kill_requested": "lost"}
     who = f"rank {rank}" if rank is not None else f"node {detected.get('node')}"
+    spec = detected.get("what") or f"{who} {what[detected['event']]}"  # remote: as seen
     return {
         "event": "fault",
         "t": min(t, detected["t"]),
-        "spec": f"real failure: {who} {what[detected['event']]}",
+        "spec": f"real failure: {spec}",
         "step": detected.get("step", step),
         "real": True,
     }

@@ -40,7 +40,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from unbroken.access import Access
-from unbroken.run import contract, faults
+from unbroken.run import contract, faults, listen
 from unbroken.run.faults import Fault, parse
 
 HEARTBEAT_INTERVAL_S = 0.2
@@ -79,6 +79,7 @@ class LaunchContext:
         self.events_dir = os.path.abspath(events_dir) if events_dir else None
         self.fd: int | None = None
         self.last_beat = float("-inf")
+        self.beat_step = 0  # the step of the last heartbeat
         self.first_step_seen = False
         self.started = False
         self.lock = threading.Lock()  # background persists log from the save thread
@@ -178,7 +179,7 @@ class LaunchContext:
             self.fd = Access.from_env().open(path, os.O_WRONLY)
         line = f"{step} {time.time():.6f} {os.getpid()} {self.attempt}"
         os.pwrite(self.fd, line.ljust(contract.HEARTBEAT_BYTES - 1).encode() + b"\n", 0)
-        self.last_beat = now
+        self.last_beat, self.beat_step = now, step
 
     def tick(self, step: int) -> None:
         if self.events_dir is not None and step != self.last_step:
@@ -378,15 +379,17 @@ def init_process_group(backend: str = "gloo", timeout_s: float = 300.0) -> None:
     context = current()
     context.event("init_start")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        env["MASTER_ADDR"],
-        int(env["MASTER_PORT"]),
-        world_size=world,
-        is_master=not shared and rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,
-        multi_tenant=True,  # the Checkpointer's groups may reuse the server in-process
-    )
+    if not shared and rank == 0:  # on MASTER_ADDR only, not on every interface
+        store = listen.host_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, timeout_s)
+    else:
+        store = dist.TCPStore(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            world_size=world,
+            timeout=timeout,
+            wait_for_workers=False,
+            multi_tenant=True,  # the Checkpointer's groups may reuse the server in-process
+        )
     prefix = f"{contract.ATTEMPT_PREFIX}{attempt}" if shared else "unbroken"
     dist.init_process_group(
         backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, timeout=timeout

@@ -28,6 +28,7 @@ from unbroken.format.directory import Directory
 from unbroken.format.layout import Manifest, step_dir
 from unbroken.format.shards import local_block, write_blocks
 from unbroken.format.write_plan import Block, WritePlan, make_plan
+from unbroken.job import abort
 from unbroken.job.comm import Comm
 from unbroken.job.gc_paused import building
 from unbroken.retention import Info
@@ -128,6 +129,7 @@ def persist(ctx: SaveContext, staged: Staged) -> bool:
     """Write and commit ``staged``; False if some rank skipped this step. If writing or
     committing fails, rank 0 removes what the ranks wrote (every rank has stopped by
     then: each stage ends with all of them agreeing), unless the step got committed."""
+    abort.settle(f"saving step {staged.step}")  # a failed generation's save, still writing
     writing: list[bool] = []
     try:
         return _persist(ctx, staged, writing)
