@@ -140,6 +140,8 @@ def test_a_rank_lost_at_any_moment_of_a_step_costs_no_step(
         assert mine[-1]["restored"] == restored, (fault, mine)
         assert mine[-1]["origins"] == ["live"] * WORLD, (fault, mine)
         assert (mine[0]["pid"] == mine[-1]["pid"]) == (rank != 3), (fault, mine)
+    [rec] = run["timeline"]["recoveries"]
+    assert rec["steps_redone"] == 0, rec
 
 
 @pytest.mark.timeout(150)

@@ -210,7 +210,9 @@ def _finish(rec: Recovery, fault: Event) -> Recovery:
     if rec["first_step_t"] is not None:
         rec["recovery_s"] = round(rec["first_step_t"] - fault["t"], 4)
         known = fault["step"] is not None and rec["first_step"] is not None
-        rec["steps_redone"] = fault["step"] - rec["first_step"] + 1 if known else "?"
+        # The fault's step is the last one ticked: one applied but not yet ticked when the
+        # fault came (its record rebuilt, `unbroken.healing.inflight`) is not redone.
+        rec["steps_redone"] = max(0, fault["step"] - rec["first_step"] + 1) if known else "?"
     return rec
 
 
