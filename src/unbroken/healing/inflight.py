@@ -135,4 +135,4 @@ def merged(job: str, rank: int, owner: int, after: int, common: list[str]) -> by
             if (source is mine) == (name in common):
                 values[name] = decode(encoded, tensors)
     extra = {k: prepared.header[k] for k in ("layouts", "data_parallel") if k in prepared.header}
-    return Record.make(mine.step, owner, values, after=after, **extra).data
+    return Record.make(mine.step, owner, values, fingerprinted=False, after=after, **extra).data

@@ -174,12 +174,8 @@ def rows(table: list[Any], world: int) -> list[dict[str, Any]]:
             if not isinstance(row, dict):
                 raise ValueError("it is not an object")
             _step_or_none(row.get("live"), "live")
-            held = row.get("held")
-            if not isinstance(held, dict) or len(held) > world:
-                raise ValueError("held is not an object of at most one entry per rank")
+            held = _by_rank(row.get("held"), world, "held")
             for owner, steps in held.items():
-                if not (owner.isascii() and owner.isdigit() and int(owner) < world):
-                    raise ValueError(f"held names no rank: {owner!r:.40}")
                 if not isinstance(steps, list) or len(steps) > MAX_HELD:
                     raise ValueError(f"held steps of rank {owner} are not a short list")
                 for step in steps:
@@ -201,13 +197,19 @@ def _flight(value: Any, world: int) -> None:
     _digests(value.get("post"))
     if value.get("pre") is not None:
         _digests(value["pre"])
-    held = value.get("held")
-    if not isinstance(held, dict) or len(held) > world:
-        raise ValueError("flight's held is not an object of at most one entry per rank")
-    for owner, found in held.items():
-        if not (owner.isascii() and owner.isdigit() and int(owner) < world):
-            raise ValueError(f"flight's held names no rank: {owner!r:.40}")
+    for found in _by_rank(value.get("held"), world, "flight's held").values():
         _digests(found)
+
+
+def _by_rank(value: Any, world: int, what: str) -> dict[str, Any]:
+    """``value`` if it is an object of at most one entry per rank, keyed by rank."""
+    if not isinstance(value, dict) or len(value) > world:
+        raise ValueError(f"{what} is not an object of at most one entry per rank")
+    for owner in value:
+        if not (isinstance(owner, str) and owner.isascii() and owner.isdigit()
+                and int(owner) < world):  # fmt: skip
+            raise ValueError(f"{what} names no rank: {owner!r:.40}")
+    return value
 
 
 def _digests(value: Any) -> None:

@@ -70,10 +70,19 @@ class Record:
         return after if type(after) is int else None
 
     @classmethod
-    def make(cls, step: int, rank: int, state: Mapping[str, Any], **extra: Any) -> Record:
+    def make(
+        cls,
+        step: int,
+        rank: int,
+        state: Mapping[str, Any],
+        *,
+        fingerprinted: bool = True,
+        **extra: Any,
+    ) -> Record:
         """The record of ``state`` at ``step``; ``extra`` header fields (``after``: the
         step of the record before it; ``layouts``...). Its ``digests`` name each entry's
-        value, for `unbroken.healing.inflight` to compare across ranks."""
+        value, for `unbroken.healing.inflight` to compare across ranks. A record never
+        checked against live state (a prepared one) skips the fingerprint."""
         tensors, tree = capture({k: v for k, v in state.items() if not replicated(v)})
         table, parts = [], {}
         for key, t in tensors.items():
@@ -88,7 +97,8 @@ class Record:
         }  # fmt: skip
         header = {
             "step": step, "rank": rank, "tree": tree, "tensors": table, "digests": digests,
-            "fingerprint": fingerprint(state), "xxh3": checksum(memoryview(payload)), **extra,
+            "fingerprint": fingerprint(state) if fingerprinted else "",
+            "xxh3": checksum(memoryview(payload)), **extra,
         }  # fmt: skip
         text = json.dumps(header).encode()
         return cls(header, struct.pack("<Q", len(text)) + text + payload)

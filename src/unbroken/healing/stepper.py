@@ -72,7 +72,12 @@ class Stepper:
         faults.point("step-gradients")
         self._prepared = after = self.last
         record = Record.make(
-            after + 1, self.comm.rank, state, after=after, layouts=self.tracker.layouts(state)
+            after + 1,
+            self.comm.rank,
+            state,
+            fingerprinted=False,
+            after=after,
+            layouts=self.tracker.layouts(state),
         )
         inflight.keep_own(self.job, record)
         for owner, received in self._send(record, f"preparing step {after + 1}", True).items():
