@@ -87,7 +87,7 @@ def unbroken_save(wire: list[bytes], pause: Callable[[], Any]) -> bytes:
         rows = [json.loads(w) for w in wire]
     with pause():
         by_rank = [[Block.from_json(b) for b in row] for row in rows]
-        shared(by_rank[0], by_rank)
+        shared(by_rank)
     with pause():
         plan = make_plan(by_rank)
     files = {}

@@ -35,7 +35,12 @@ between two disk checkpoints:
     node's slot; the training calls ``Checkpointer.step`` every step (live healing, where
     the library has it); (f) loses another node, (g) the node holding rank 0. A healthy
     rank's report of the lost peer and the coordinator's ping find the lost node
-    (--suspect-timeout, 0.2 s), the --node-timeout (1 s here) if nobody reports.
+    (--suspect-timeout, 0.2 s), the --node-timeout (1 s here) if nobody reports;
+(i) as (f), but the node goes silent instead of dying: its agent, ranks and spares are
+    SIGSTOPped after the fault step, no connection closes (a hung kernel, a cut network).
+    The coordinator pings the agent whose beat is silent for --ping-after (0.4 s) and
+    loses the node when the ping goes unanswered for --answer-timeout (0.25 s). Target:
+    the next step within 2 s of the stop, no step lost.
 
 Restart-all across nodes ((d)): the "restart" phase is how long the surviving agent took
 to drop the lost node from the rendezvous and restart its workers (keep-alive 2 x 1 s).
@@ -91,8 +96,8 @@ def main() -> None:
     parser, args = parse()
     scaling_ranks = tuple(int(n) for n in args.scaling_ranks.split(",") if n.strip())
     chosen = set(args.scenarios.replace(",", ""))
-    if not chosen or chosen - set("abcdefg"):
-        parser.error(f"--scenarios {args.scenarios!r}: pick from a to g")
+    if not chosen or chosen - set("abcdefgi"):
+        parser.error(f"--scenarios {args.scenarios!r}: pick from a to g, and i")
 
     workdir = disk_workdir(parser, args.dir, "unbroken-recovery-")
     cfg = RecoveryConfig(
@@ -158,7 +163,9 @@ def parse() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
         help="unbroken run's hang watchdog: a rank without progress this long is killed",
     )
     parser.add_argument(
-        "--scenarios", default="abcdefg", help="which of a-g to run (default: all; (a) is the base)"
+        "--scenarios",
+        default="abcdefgi",
+        help="which of a-g and i to run (default: all; (a) is the base)",
     )
     parser.add_argument(
         "--scaling-ranks",

@@ -1,4 +1,4 @@
-"""Scenarios (f) and (g) of bench/recovery.py: a multi-node ``unbroken run --in-process``
+"""Scenarios (f), (g) and (i) of bench/recovery.py: a multi-node ``unbroken run --in-process``
 job, as on a cluster: an ``unbroken coordinator``, one node agent per node (each its own
 process tree with its own shared-memory directory, on loopback), and a standby node agent
 started without ``--node-rank`` (with warm spares) that claims the lost node's slot, as a
@@ -10,14 +10,22 @@ dead (polled every 10 ms; the agent acts within its 50 ms poll of the fault). Ph
 boundaries, each the last rank to pass it: detect (-> a healthy rank saw the peer gone
 or aborted its groups), restart (-> the coordinator started the next generation, the
 standby agent holding the slot: the rank's report, the coordinator's ping and its
---suspect-timeout, the standby's claim), then as in the other scenarios."""
+--suspect-timeout, the standby's claim), then as in the other scenarios.
+
+(i) stops the last node instead: its first rank, after the fault step, SIGSTOPs its
+agent, every process below it and itself (`recovery_worker.stop_node`), and logs the
+moment first. No connection closes and no rank reports anything: the coordinator finds
+the node by its agent's silent beat and an unanswered ping (``--ping-after``,
+``--answer-timeout``). Once the others are done the stopped tree is woken and killed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -28,9 +36,11 @@ from typing import Any
 
 from recovery_jobs import WORKER, JobFailed, failed, read_events, worker_args
 from recovery_scenarios import PHASES, RecoveryConfig, Scenario
+from unbroken.run.procs import descendants
 
 NODE_TIMEOUT_S = 1.0
 JOB_TIMEOUT_S = 300.0
+DETECTED_BY = {False: "a rank's report, the coordinator's ping", True: "a ping of the silent agent"}
 # As a deployment across machines must: every store connection passes the coordinator's
 # gate (the coordinator and the agents inherit it).
 os.environ.setdefault("UNBROKEN_JOB_SECRET", secrets.token_hex(32))
@@ -77,9 +87,11 @@ def run_multinode(cfg: RecoveryConfig, sc: Scenario, where: Path) -> dict[str, A
             f"--nproc-per-node={cfg.nproc_per_node}",
             *([] if node is None else [f"--node-rank={node}"]),
             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--max-restarts=2",
-            f"--heartbeat-timeout={cfg.heartbeat_timeout:g}", f"--inject-fault={sc.fault}",
+            f"--heartbeat-timeout={cfg.heartbeat_timeout:g}",
+            *([] if sc.stop else [f"--inject-fault={sc.fault}"]),
             f"--timeline-json={where / f'agent-{i}.json'}", str(WORKER),
             *worker_args(cfg, sc, where),
+            *(stop_args(cfg) if sc.stop else []),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_MEMORY_DIR": str(shm / str(i))}
         with open(where / f"agent-{i}.log", "w") as log:
@@ -97,9 +109,15 @@ def run_multinode(cfg: RecoveryConfig, sc: Scenario, where: Path) -> dict[str, A
                 raise JobFailed("the node agents did not start", tail(where))
             time.sleep(0.1)
         agent(None)
-        fault_t = wait(agents, time.monotonic() + JOB_TIMEOUT_S, where)
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        if sc.stop:
+            fault_t = wait_stopped(agents, agents[cfg.nodes - 1], deadline, where)
+        else:
+            fault_t = wait(agents, deadline, where)
         coordinator.wait(timeout=30)
     finally:
+        if sc.stop and agents[cfg.nodes - 1 :]:
+            release(agents[cfg.nodes - 1])
         procs: list[subprocess.Popen[Any]] = [*agents, coordinator]
         for proc in procs:
             if proc.poll() is None:
@@ -126,6 +144,45 @@ def wait(agents: list[subprocess.Popen[bytes]], deadline: float, where: Path) ->
     if fault_t is None or codes.count(0) != len(agents) - 1:
         raise JobFailed(f"agents exited {codes}, expected one SIGKILL and 0s", tail(where))
     return fault_t
+
+
+def stop_args(cfg: RecoveryConfig) -> list[str]:
+    """(i): the first rank of the last node stops its node after the fault step."""
+    return [f"--stop-rank={(cfg.nodes - 1) * cfg.nproc_per_node}", f"--stop-step={cfg.fault_step}"]
+
+
+def wait_stopped(
+    agents: list[subprocess.Popen[bytes]],
+    stopped: subprocess.Popen[bytes],
+    deadline: float,
+    where: Path,
+) -> float:
+    """(i): wait for the job's end without the stopped node; when its rank stopped it
+    (wall clock, from its ``node_stopped`` event)."""
+    fault_t = None
+    others = [a for a in agents if a is not stopped]
+    while any(a.poll() is None for a in others):
+        if fault_t is None:
+            found = [e for e in read_events(where / "events") if e["event"] == "node_stopped"]
+            fault_t = found[0]["t"] if found else None
+        if time.monotonic() > deadline:
+            raise JobFailed(f"timed out after {JOB_TIMEOUT_S:g} s", tail(where))
+        time.sleep(0.01)
+    found = [e for e in read_events(where / "events") if e["event"] == "node_stopped"]
+    codes = sorted(a.returncode for a in others)
+    if not found or set(codes) != {0}:
+        raise JobFailed(f"agents exited {codes}, node stopped: {bool(found)}", tail(where))
+    return float(found[0]["t"])
+
+
+def release(stopped: subprocess.Popen[bytes]) -> None:
+    """Wake the stopped node's processes and kill them: none is left behind stopped."""
+    pids = [stopped.pid, *descendants(stopped.pid)]
+    for sig in (signal.SIGCONT, signal.SIGKILL):  # one by one: the agent is in our group
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    stopped.wait()
 
 
 def tail(where: Path) -> str:
@@ -177,7 +234,7 @@ def analyse_multinode(cfg: RecoveryConfig, sc: Scenario, out: Path, run: dict[st
         "label": sc.label,
         "fault": sc.fault,
         "fault_step": cfg.fault_step,
-        "detected_by": "a rank's report, the coordinator's ping",
+        "detected_by": DETECTED_BY[sc.stop],
         "memory_every": sc.memory_every,
         "replicas": sc.replicas,
         "in_process": True,

@@ -11,6 +11,7 @@ from recovery_scaling import growth
 from recovery_scenarios import PHASES, RecoveryConfig
 
 TARGET_REDUCTION = 0.85  # at least 85 % less time than (a)
+SILENT_TARGET_S = 2.0  # (i): a stopped node -> every rank stepped again, no step lost
 
 
 def report(
@@ -40,6 +41,10 @@ def report(
             f"{'PASS' if all(lost_pass.values()) else 'FAIL'} ({lost}"
             + (f"; (a) {results['a']['lost_steps']})" if "a" in results else ")")
         )
+    silent_pass = None
+    if "i" in results:
+        silent_pass, line = silent_verdict(results["i"])
+        verdict.append(line)
     if not any(r["in_process"] and r["total_s"] is not None for r in results.values()):
         verdict.append(
             "no in-process recovery completed: every measured recovery restarted all workers"
@@ -54,12 +59,25 @@ def report(
         "config": asdict(cfg) | {"ranks": cfg.ranks, "steps": cfg.steps},
         "checkpoint": "unbroken.Checkpointer, synchronous save (fsync), replicated_reads='each'",
         "scenarios": results,
-        "targets": {"reduction_vs_a": TARGET_REDUCTION, "lost_steps_max": cfg.memory_every},
-        "pass": {"time": time_pass, "lost_work": lost_pass},
+        "targets": {
+            "reduction_vs_a": TARGET_REDUCTION,
+            "lost_steps_max": cfg.memory_every,
+            "silent_total_s_max": SILENT_TARGET_S,
+        },
+        "pass": {"time": time_pass, "lost_work": lost_pass, "silent": silent_pass},
         "scaling": scaling,
         "scaling_exponent": {"pg_reinit": k_init, "new_group": k_group},
         "wall_s": round(wall, 1),
     }
+
+
+def silent_verdict(r: dict[str, Any]) -> tuple[bool, str]:
+    """(i)'s target: whether it passed, and its line."""
+    what = f"target (i) a stopped node: next step <= {SILENT_TARGET_S:g} s, 0 steps lost"
+    if r["total_s"] is None:
+        return False, f"{what}: FAIL (no recovery: {r['failed']})"
+    ok = r["total_s"] <= SILENT_TARGET_S and r["lost_steps"] == 0
+    return ok, f"{what}: {'PASS' if ok else 'FAIL'} ({r['total_s']:.2f} s, {r['lost_steps']} lost)"
 
 
 def time_verdicts(

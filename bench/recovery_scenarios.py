@@ -50,6 +50,7 @@ class Scenario:
     cold: bool = False
     multinode: bool = False  # a coordinator and one node agent per node (recovery_multinode)
     live: bool = False  # the worker calls Checkpointer.step every step
+    stop: bool = False  # multinode: the node is SIGSTOPped (silent), not killed
     launcher: tuple[str, ...] = ()  # options of `unbroken run` beyond the common ones
 
     @property
@@ -113,8 +114,9 @@ def scenarios(cfg: RecoveryConfig) -> list[Scenario]:
 
 
 def multinode(cfg: RecoveryConfig) -> list[Scenario]:
-    """(f), (g): one ``unbroken run --in-process`` node agent per node and an ``unbroken
-    coordinator``, plus a standby node agent (warm spares) that takes the lost slot."""
+    """(f), (g), (i): one ``unbroken run --in-process`` node agent per node and an
+    ``unbroken coordinator``, plus a standby node agent (warm spares) that takes the lost
+    slot; (i) stops its node instead of killing it."""
     out = []
     for key, node, what in (("f", cfg.nodes - 1, "another node"), ("g", 0, "the node of rank 0")):
         out.append(
@@ -132,4 +134,21 @@ def multinode(cfg: RecoveryConfig) -> list[Scenario]:
                 launcher=("--in-process", "--warm-spare"),
             )
         )
+    node = cfg.nodes - 1
+    out.append(
+        Scenario(
+            "i",
+            "(i) multi-node in-process, live, silent: a node stopped",
+            f"(i) as (f), but node {node} goes silent instead of dying: its agent, ranks and "
+            "spares are SIGSTOPped, no connection closes (a hung kernel, a cut network); the "
+            "coordinator pings the silent agent and loses the node when it does not answer",
+            f"SIGSTOP of node {node}'s process tree after step {cfg.fault_step}",
+            memory_every=cfg.memory_every,
+            replicas=1,
+            multinode=True,
+            live=True,
+            launcher=("--in-process", "--warm-spare"),
+            stop=True,
+        )
+    )
     return out

@@ -16,9 +16,11 @@ the bench reads them next to the launcher's timeline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import statistics
 import time
 from collections.abc import Iterator
@@ -235,6 +237,8 @@ def loop(
             ckpt.step(step, state)
         else:
             run.tick(step)  # heartbeat, and the injected fault, after the step completes
+        if step == args.stop_step and restored is None and log.rank == args.stop_rank:
+            stop_node(log, step)  # where a kill-node fault would fire
         if memory and step % args.memory_every == 0:
             started = time.perf_counter()
             ckpt.snapshot(step, state)
@@ -253,6 +257,19 @@ def loop(
     return loss
 
 
+def stop_node(log: Events, step: int) -> None:
+    """SIGSTOP this rank's whole node: its agent (the parent), every process below it,
+    this one last. No connection closes, as when a kernel hangs or a network is cut."""
+    from unbroken.run.procs import descendants
+
+    agent = os.getppid()
+    log("node_stopped", step=step, agent=agent)
+    for pid in [agent, *(p for p in descendants(agent) if p != os.getpid())]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory for the event logs")
@@ -266,6 +283,8 @@ def main() -> None:
     p.add_argument(
         "--live", action="store_true", help="call Checkpointer.step every step (live healing)"
     )
+    p.add_argument("--stop-rank", type=int, default=-1, help="this rank SIGSTOPs its node...")
+    p.add_argument("--stop-step", type=int, default=-1, help="...after this step")
     args = p.parse_args()
     torch.set_num_threads(1)
     log = Events(args.out)

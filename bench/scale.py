@@ -13,13 +13,15 @@ restore's metadata are made. The phases, what runs and what is simulated:
   `Coordinator`, ``n/8`` `NodeAgent`s running their own store code, and the store
   traffic of ``n`` ranks' `in_process`, all threads; simulated: the node's death (no
   worker process, no training);
-- group creation (bench/scale_groups.py): the generation's two eager gloo groups, real
-  `ProcessGroupGloo`s on real store connections, ``n`` threads; projected over 64 ranks
-  (file descriptors);
+- group creation (bench/scale_groups.py): the generation's two lazy gloo groups, real
+  `ProcessGroupGloo`s on real store connections, ``n`` threads; projected over 2,304
+  ranks (file descriptors);
 - step agreement, heal plan, save plan, manifest validation (bench/scale_metadata.py):
-  `step_choice._in_memory`, `healing.live.plan`, `make_plan` and the manifest,
-  `Manifest.from_json`, on rank 0 with every rank's rows; simulated: the transport (ring
-  steps counted, not timed).
+  `step_choice._in_memory`, `healing.live.plan` on rank 0 with every rank's rows; the
+  save's `saving.planning.Planner` on rank 0 (its time beside the phase's) and a
+  non-planning rank's rows and parts; a restore rank's part of the manifest checked
+  (`format.layout.parse`) and the manifest built; simulated: the transport (messages
+  counted, not timed). Their times are the thread's CPU seconds.
 
 The data plane is left out: no tensor moves. Times are wall seconds on this machine,
 where every party shares 2 cores that a cluster would give each node its own: upper
@@ -108,6 +110,9 @@ def fit(runs: Runs, extra: dict[int, dict[str, Any]]) -> dict[str, Any]:
         }
         growth[phase] = {what: None if line is None else round(line[0], 3)
                          for what, line in lines.items()}  # fmt: skip
+        if phase == "save plan":  # and the planning rank's own cost (O(n) on rank 0)
+            line = slope([(n, r["planner_s"]) for n, r in measured.items()])
+            growth[phase]["planner_s"] = None if line is None else round(line[0], 3)
         for n, r in runs.items():
             if phase in r:
                 continue
@@ -137,16 +142,20 @@ def report(runs: Runs, growth: dict[str, Any]) -> None:
     grow = new_table(
         "Growth: k in value ~ ranks^k (least squares on log-log over the measured sizes)",
         f"faster than n log n: k above {NLOGN_SLOPE} (n log n's slope is about 1.14 here); "
-        "the metadata phases' times are one rank's: k = 1 there is n x n work over the job",
+        "the metadata phases' times are one rank's: k = 1 there would be n x n work over "
+        "the job; rank 0's plan of the whole save is O(n) once",
         [("phase", "left"), ("k (time)", "right"), ("k (requests)", "right"),
          ("faster than n log n", "left")],
     )  # fmt: skip
     for phase, g in growth.items():
-        ks = [k for k in g.values() if k is not None]
+        ks = [g[w] for w in ("s", "requests") if g[w] is not None]
         grow.add_row(
             phase, *("-" if g[w] is None else f"{g[w]:.2f}" for w in ("s", "requests")),
             "yes" if any(k > NLOGN_SLOPE for k in ks) else "no",
         )  # fmt: skip
+        if (k := g.get("planner_s")) is not None:  # the whole job's plan, on one rank
+            grow.add_row(f"{phase}: rank 0 plans", f"{k:.2f}", "-",
+                         "yes" if k > NLOGN_SLOPE else "no")  # fmt: skip
     show(160, table, grow)
 
 

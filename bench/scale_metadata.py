@@ -1,37 +1,50 @@
 # mypy: disallow-untyped-defs
 """The scale harness's per-rank phases (bench/scale.py): step agreement, heal plan, save
-plan, manifest validation. Each runs unbroken's own code on one rank, rank 0 (the busiest:
-it also picks the step and encodes the manifest), with every other rank's part of each
-exchange made up front, untimed, as those ranks would send it.
+plan, manifest validation. Each runs unbroken's own code on one rank, with every other
+rank's part of each exchange made up front, untimed, as those ranks would send it.
 
 What is real: `unbroken.restoring.step_choice._in_memory` (the step every rank can get
-from shared memory, and who holds each lost rank's copy), `unbroken.healing.live.plan`
-with `unbroken.healing.messages` checking the gathered rows and digests,
-`unbroken.saving.checksums.shared` + `unbroken.format.write_plan.make_plan` and the
-manifest's encoding (bench/metadata.py's `unbroken_save`, as `unbroken.saving.pipeline`
-does between its collectives), `unbroken.format.layout.Manifest.from_json`, which
-validates (`unbroken.format.validate`) before anything is used. `Gathered` stands in for
-`unbroken.job.comm.Comm`: its ``all_gather`` does the JSON work `Comm.all_gather` does on
-a rank (its own row encoded, every row decoded, the collector paused), and moves no
-bytes. So the times are CPU on the critical path of a rank; the transport (a gloo ring
-of ``n - 1`` sequential steps per all_gather, on a group already connected: no store
-request) is not in them: it is counted as ``ring_steps``.
+from shared memory, and who holds each lost rank's copy) and `unbroken.healing.live.plan`
+with `unbroken.healing.messages` checking the gathered rows and digests, on rank 0 (the
+busiest: it also picks the step); the save's metadata as `unbroken.saving.pipeline`
+makes it in its three `Comm.planned` exchanges: rank 0's `unbroken.saving.planning.Planner`
+(every rank's blocks decoded, `checksums.shared`, `write_plan.make_plan`, every rank's
+part encoded, the manifest made and encoded), timed apart, and a non-planning rank's
+(rank 1: its rows encoded, its parts decoded); a restore rank's part of the manifest
+(`unbroken.format.layout.parse` with its part, the verdicts' exchange as
+`StorageSource.validate` makes it, `Manifest.built`), and, beside it, the whole
+manifest checked as every rank did before (``whole_s``). `Gathered` stands in for
+`unbroken.job.comm.Comm` in the first two: its ``all_gather`` does the JSON work
+`Comm.all_gather` does on a rank (its own row encoded, every row decoded, the collector
+paused), and moves no bytes. So the times are CPU on the critical path of a rank (the
+thread's CPU time: `clock`); the transport is not in them: an all_gather is a
+gather on rank 0 and a broadcast down gloo's binomial tree, ``2 + 2 * ceil(log2 n)``
+sequential steps (``steps``; on a group already connected, no store request), with
+``n - 1`` messages at rank 0 (``root_messages``); a planned exchange is a gather to
+rank 0 and a scatter from it, ``n - 1`` messages each at rank 0 and one elsewhere, plus
+the sizes' one integer (an all_reduce and a broadcast).
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from metadata import rows_of, unbroken_save
-from unbroken.format.layout import Manifest
+from metadata import COLS, ROWS, SHARD
+from unbroken.format.layout import Manifest, parse
+from unbroken.format.write_plan import Block
 from unbroken.healing import live, messages
 from unbroken.job import gc_paused
 from unbroken.restoring import step_choice
+from unbroken.saving.planning import Planner
 
+# A rank's CPU: this thread's, so that other work on the machine does not count in it
+# (the phases here are single-threaded Python; on an idle machine it is the wall time).
+clock = time.thread_time
 STEP = 1000  # the step every live rank is at, and the newest snapshot in memory
 LOCAL = 8  # ranks per node
 LOST_NODE = 1  # the node whose ranks are replacements
@@ -100,14 +113,14 @@ def step_agreement(world: int) -> tuple[float, int]:
     tables = iter([_encoded(rows), _encoded([[None, None]] * world), _encoded([True] * world)])
     comm = Gathered(world, tables)
     gc.collect()
-    start = time.perf_counter()
+    start = clock()
     found = step_choice._in_memory(comm, _Memory(world), set(), None)  # type: ignore[arg-type]
     chosen = comm.broadcast(comm.together("finding a checkpoint", lambda: [max(found), None]))
     holders = found[chosen[0]]
     if sorted(holders) != [r for r in range(world) if lost(r)]:
         raise AssertionError(f"step agreement: wrong lost ranks {sorted(holders)}")
     comm.all_gather(True)
-    return time.perf_counter() - start, comm.exchanges
+    return clock() - start, comm.exchanges
 
 
 def heal_plan(world: int) -> tuple[float, int]:
@@ -124,49 +137,130 @@ def heal_plan(world: int) -> tuple[float, int]:
     )
     comm = Gathered(world, tables)
     gc.collect()
-    start = time.perf_counter()
+    start = clock()
     chosen = live.plan(messages.rows(comm.all_gather(rows[0]), world))
     if chosen is None or len(chosen.source) != LOCAL:
         raise AssertionError(f"heal plan: no plan for the {LOCAL} lost ranks")
     digests = messages.digests(comm.all_gather([digest, None]), world)
     if not live._agree(digests, chosen.step):
         raise AssertionError("heal plan: the replicas' digests disagree")
-    return time.perf_counter() - start, comm.exchanges
+    return clock() - start, comm.exchanges
 
 
-def save_plan(world: int, tensors: int) -> tuple[float, bytes]:
-    """A save's metadata on rank 0: every rank's blocks (``tensors`` sharded over every
-    rank) decoded, the shared ones found, the write plan made, the manifest encoded.
-    (seconds, the manifest)."""
-    wire = rows_of(world, tensors)
+def _blocks(world: int, tensors: int, rank: int) -> list[Block]:
+    """Rank ``rank``'s blocks as bench/metadata.py lays them out (FSDP: every tensor
+    sharded over every rank), before hashing (`unbroken.saving.checksums.layout`)."""
+    return [
+        Block(key=f"layers.{t}.weight", dtype="BF16", shape=(world * ROWS, COLS),
+              offsets=(rank * ROWS, 0), local_shape=(ROWS, COLS), nbytes=SHARD, xxh3="")
+        for t in range(tensors)
+    ]  # fmt: skip
+
+
+def _write_row(blocks: list[Block], rank: int) -> list[Any]:
+    """What `pipeline._write` returns: where each block went, the file's size, the rank's
+    tree and the checksums taken while writing (the rank alone holds its blocks)."""
+    name, at, where, sums = f"r{rank:05d}-000.safetensors", 4096, {}, {}
+    for i, b in enumerate(blocks):
+        where[b.key] = [name, at, at + b.nbytes]
+        sums[b.key] = {"xxh3": f"{rank * len(blocks) + i:016x}"}
+        at += b.nbytes
+    return [where, {name: at}, {"progress": {"step": STEP}}, sums]
+
+
+def _wire(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _gathered(rows: list[bytes]) -> list[Any]:
+    """Every rank's row decoded as `Comm.gather` does on rank 0, less the error column."""
+    with gc_paused.building():
+        return [json.loads(r)[1] for r in rows]
+
+
+def save_plan(world: int, tensors: int) -> tuple[float, float, bytes]:
+    """A save's metadata, as `unbroken.saving.pipeline._persist` makes it through its
+    three `Comm.planned` exchanges: (a non-planning rank's seconds, rank 0's seconds,
+    the manifest). Rank 1 encodes its rows and decodes its parts; rank 0 decodes every
+    rank's rows, plans (`unbroken.saving.planning.Planner`), encodes every rank's part
+    and the manifest. Every other rank's rows are made up front, untimed."""
+    rows = [_wire([None, [STEP, False, [b.to_json() for b in _blocks(world, tensors, r)], []]])
+            for r in range(world)]  # fmt: skip
+    written = [_wire([None, _write_row(_blocks(world, tensors, r), r)]) for r in range(world)]
     gc.collect()
-    start = time.perf_counter()
-    manifest = unbroken_save(wire, gc_paused.building)
-    return time.perf_counter() - start, manifest
-
-
-def manifest_validation(manifest: bytes) -> float:
-    """A restore's metadata on every rank: the manifest parsed and validated."""
+    start = clock()
+    planner = Planner(step=STEP, replicated=None, storage=None)
+    parts = [_wire([None, p]) for p in planner.layout(_gathered(rows))]
+    sums = _gathered([_wire([None, {}])] * world)  # FSDP: no block is held twice
+    writes = [_wire([None, p]) for p in planner.writes(sums)]
+    planner.wrote(_gathered(written))
+    [_wire([None, None]) for _ in range(world)]
+    manifest = planner.manifest(world, 0.0).to_json()
+    planning = clock() - start
     gc.collect()
-    start = time.perf_counter()
+    start = clock()  # rank 1: its rows out, its parts in
+    blocks = _blocks(world, tensors, 1)
+    _wire([None, [STEP, False, [b.to_json() for b in blocks], []]])
+    _, (_, _, early) = json.loads(parts[1])  # as `Comm.scatter` decodes
+    _wire([None, {}])
+    _, (_, keys) = json.loads(writes[1])
+    if sorted(keys) != sorted(b.key for b in blocks) or early:
+        raise AssertionError("save plan: rank 1 was not given its own blocks to write")
+    _wire([None, _write_row(blocks, 1)])
+    json.loads(_wire([None, None]))
+    return clock() - start, planning, manifest
+
+
+def manifest_validation(manifest: bytes, world: int) -> tuple[float, float]:
+    """A restore's metadata on a rank (rank 0, whose part is as large as any): the
+    manifest parsed, its header and its part checked (`unbroken.format.layout.parse`),
+    the verdicts exchanged (`StorageSource.validate`: one all_gather of ``world``
+    nulls), the manifest built; and, for comparison, the whole manifest checked, as
+    every rank did before. (seconds, seconds whole)."""
+    verdicts = _wire([None] * world)
+    gc.collect()
+    start = clock()
+    raw = parse(manifest, "scale", (0, world))
+    _wire(None)
+    if any(json.loads(verdicts)):
+        raise AssertionError("manifest validation: a part was refused")
+    Manifest.built(raw, "scale")
+    part = clock() - start
+    gc.collect()
+    start = clock()
     Manifest.from_json(manifest, "scale")
-    return time.perf_counter() - start
+    return part, clock() - start
+
+
+def gather_steps(world: int) -> int:
+    """Sequential steps of `unbroken.job.comm`'s all-gather: two gathers on rank 0, and
+    two broadcasts down a binomial tree."""
+    return 2 + 2 * math.ceil(math.log2(world)) if world > 1 else 0
 
 
 def measure(world: int, tensors: int) -> dict[str, dict[str, Any]]:
-    """The four phases at ``world`` ranks: seconds, exchanges and their ring steps."""
+    """The four phases at ``world`` ranks: seconds, exchanges and their sequential steps."""
     agreement, agreement_x = step_agreement(world)
     heal, heal_x = heal_plan(world)
-    save, manifest = save_plan(world, tensors)
-    validation = manifest_validation(manifest)
+    save, planning, manifest = save_plan(world, tensors)
+    validation, whole = manifest_validation(manifest, world)
 
     def row(seconds: float, exchanges: int, note: str) -> dict[str, Any]:
         return {"s": seconds, "requests": 0, "exchanges": exchanges,
-                "ring_steps": exchanges * (world - 1), "note": note}  # fmt: skip
+                "steps": exchanges * gather_steps(world),
+                "root_messages": exchanges * (world - 1), "note": note}  # fmt: skip
 
     return {
-        "step agreement": row(agreement, agreement_x, "rank 0 CPU; eager group: no request"),
-        "heal plan": row(heal, heal_x, "rank 0 CPU; eager group: no request"),
-        "save plan": row(save, 3, f"rank 0 CPU, {tensors} tensors x {world} ranks"),
-        "manifest validation": row(validation, 0, f"{len(manifest) / 2**20:.1f} MiB manifest"),
+        "step agreement": row(agreement, agreement_x, "rank 0 CPU; group connected: no request"),
+        "heal plan": row(heal, heal_x, "rank 0 CPU; group connected: no request"),
+        "save plan": {
+            **row(save, 3, f"rank 1 CPU; rank 0 plans in {planning:.3f} s ({tensors} tensors)"),
+            "steps": 3 * 2,
+            "root_messages": 3 * 2 * (world - 1),
+            "planner_s": planning,
+        },
+        "manifest validation": {
+            **row(validation, 1, f"rank 0 CPU, its part of {len(manifest) / 2**20:.1f} MiB"),
+            "whole_s": whole,
+        },
     }

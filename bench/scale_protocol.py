@@ -56,7 +56,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.run import cli, contract, coordinator, inprocess, listen
+from unbroken.run import cli, contract, coordinator, inprocess, listen, silence
 from unbroken.run.agent import NodeAgent
 from unbroken.run.listen import LOOPBACK
 from unbroken.run.news import Listener
@@ -252,7 +252,12 @@ def run(world: int) -> dict[str, Any]:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(raw.port)
     with counting(log):
         _party.name = "coordinator"
-        coord = coordinator.Coordinator(_RealStore("127.0.0.1", raw.port, is_master=False), 600.0)
+        # Thousands of agent threads share 2 cores here: a beat can stall for seconds, which
+        # the silence rule would take for a stopped machine. Detection here is by report.
+        quiet = silence.Silence(ping_after_s=600.0)
+        coord = coordinator.Coordinator(
+            _RealStore("127.0.0.1", raw.port, is_master=False), 600.0, silence=quiet
+        )
         coord.store = Counted(coord.store, "coordinator", log)
         coord.news = Listener(LOOPBACK, raw.port)
         agents = [SimAgent(sim, n) for n in range(world // LOCAL)] + [SimAgent(sim, LOST_NODE)]

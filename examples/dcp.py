@@ -6,7 +6,7 @@ ranks loads on M: DCP's planner reshards it.
 
     python examples/dcp.py --dir runs/dcp --steps 20
     python examples/dcp.py --dir runs/dcp --steps 40   # resumes from step 20
-    unbroken verify runs/dcp                             # every checksum, every step
+    unbroken verify runs/dcp --all                       # every checksum, every step
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ workers resume from memory, at most one step back, not from the last save.
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import unbroken
 import unbroken.run
+from unbroken.errors import PeerLostError
 
 
 def main() -> None:
@@ -54,5 +56,24 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def _peer_lost(error: BaseException | None) -> bool:
+    """Whether ``error`` or its cause says another rank died: the checkpointer's group
+    lost a peer, or a collective of the training step found its connection closed."""
+    while error is not None:
+        if isinstance(error, PeerLostError | dist.DistBackendError):
+            return True
+        error = error.__cause__
+    return False
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (unbroken.CheckpointError, dist.DistBackendError) as e:
+        if not _peer_lost(e):
+            raise
+        # Another rank died: this attempt is over, as expected. One line, not a traceback.
+        rank = os.environ.get("RANK", "?")
+        why = type(e.__cause__ or e).__name__
+        print(f"rank {rank}: lost a peer ({why}); exiting for `unbroken run` to restart all ranks")
+        raise SystemExit(1) from None

@@ -4,7 +4,7 @@ epochs by validation loss and ``last.ckpt``; run it again and it resumes from
 
     python examples/lightning.py --dir runs/lit --epochs 2
     python examples/lightning.py --dir runs/lit --epochs 4   # resumes after epoch 2
-    python examples/lightning.py --dir runs/ddp --devices 2  # DDP, 2 CPU processes (gloo)
+    python examples/lightning.py --dir runs/lit-ddp --devices 2  # DDP, 2 CPU processes
     unbroken show runs/lit/last.ckpt
 """
 

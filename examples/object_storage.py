@@ -3,9 +3,14 @@ endpoint. Bucket and prefix come from ``--url``; credentials from the arguments 
 left out, from the usual AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``~/.aws``, SSO, instance roles). Needs ``pip install 'unbroken[s3]'``.
 
+The bucket must exist: unbroken creates objects, never buckets. Create it once with your
+store's tool, e.g. ``aws s3 mb s3://bucket --endpoint-url http://127.0.0.1:9000`` or
+MinIO's ``mc mb local/bucket``; a missing bucket is a one-line error.
+
     export AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...
     python examples/object_storage.py --url s3://bucket/runs/exp1 \\
         --endpoint http://127.0.0.1:9000 --steps 40
+    unbroken ls s3://bucket/runs/exp1 --endpoint http://127.0.0.1:9000
 """
 
 from __future__ import annotations
@@ -63,4 +68,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except unbroken.CheckpointError as e:  # no bucket, no credentials, no server: say which
+        raise SystemExit(f"error: {e}") from None

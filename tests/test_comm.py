@@ -36,13 +36,14 @@ def _held_after_each_operation(rank: int, world: int) -> dict[str, int]:
 
         setattr(dist, name, op)
 
-    for name in ("all_gather", "broadcast", "all_reduce", "batch_isend_irecv"):
+    for name in ("all_gather", "broadcast", "all_reduce", "batch_isend_irecv", "gather", "scatter"):
         recording(name)
     peer = 1 - rank
     operations = {
         "all_gather": lambda i: comm.all_gather({"round": i, "rank": rank}),
         "gathered": lambda i: comm.gathered("a step", lambda: i),
         "broadcast": lambda i: comm.broadcast(list(range(i))),
+        "planned": lambda i: comm.planned("a plan", lambda: i, lambda rows: rows[::-1]),
         "broadcast_bytes": lambda i: comm.broadcast_bytes(memoryview(bytearray(64)), 0),
         "all_reduce_max": lambda i: comm.all_reduce_max(torch.tensor([rank, i])),
         "transfers": lambda i: comm.start(

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -155,8 +156,13 @@ def test_demo_kills_resumes_and_matches_bit_for_bit(
         timeline["launches"]["resumed"]["losses"]["30"]
         == timeline["launches"]["uninterrupted"]["losses"]["30"]
     )
-    # The next commands the demo suggests work on what it kept: ls on the folder finds
-    # both runs' checkpoints in its subfolders, verify passes.
+    # Every command the demo suggests runs as printed, on what it kept.
+    hints = [shlex.split(line) for line in out.split("Try:", 1)[1].splitlines() if line[:2] == "  "]
+    assert [h[1] for h in hints] == ["ls", "verify", "show", "export", "goodput"], hints
+    for argv in hints:
+        assert cli(argv[1:]) == 0, argv
+    capsys.readouterr()
+    # ls on the folder finds both runs' checkpoints in its subfolders, verify passes.
     assert cli(["ls", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "2 of its subfolders do" in out and f"{tmp_path}/killed" in out

@@ -27,12 +27,10 @@ def _block(key: str, offsets: tuple[int, ...] = (0,)) -> Block:
 def test_only_regions_another_rank_holds_too_are_hashed_before_the_plan():
     rank0 = [_block("dp"), _block("row", (0,)), _block("mine")]
     rank1 = [_block("dp"), _block("row", (4,)), _block("rng")]
-    by_rank = [rank0, rank1]
-    assert describing.shared(rank0, by_rank) == ["dp"]
-    assert describing.shared(rank1, by_rank) == ["dp"]
+    assert describing.shared([rank0, rank1]) == [["dp"], ["dp"]]
     # The same key and region on two ranks counts whatever the values: the plan tells
     # equal replicas from per-rank values by checksum, so both are needed first.
-    assert describing.shared([_block("rng")], [[_block("rng")], [_block("rng")]]) == ["rng"]
+    assert describing.shared([[_block("rng")], [_block("rng")]]) == [["rng"], ["rng"]]
 
 
 def test_a_block_only_this_rank_holds_is_hashed_while_it_is_written(tmp_path, monkeypatch):

@@ -144,6 +144,20 @@ def test_a_rank_lost_at_any_moment_of_a_step_costs_no_step(
     assert rec["steps_redone"] == 0, rec
 
 
+@pytest.mark.timeout(240)
+def test_a_model_wrapped_part_by_part_heals_bitwise(tmp_path):
+    """Each layer its own DDP wrapper (the state holds the whole model): every part's
+    bucket layout is kept by its path in the model (``model:0``, ``model:2``), so the
+    replacement's new wrappers reduce as before and the run stays bitwise."""
+    job = ("--in-process", "--heal", "--parts")
+    nodes = ("--in-process", "--simulate-nodes=2", "--nproc-per-node=2")
+    alone = launch(tmp_path / "reference", *nodes, job=job)
+    run = launch(tmp_path / "healed", *nodes, "--inject-fault=kill rank=3 step=9", job=job)
+    assert [r["respawned"] for r in run["timeline"]["recoveries"]] == [[3]]
+    assert len(set(alone["params"])) == 1
+    assert run["params"] == alone["params"]
+
+
 @pytest.mark.timeout(150)
 def test_restart_all_at_4_ranks_is_bitwise(tmp_path, reference):
     """Plain `unbroken run`: every worker restarts and builds a new DDP wrapper, which

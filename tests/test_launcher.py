@@ -345,7 +345,8 @@ class _Counted:
 
 @pytest.mark.timeout(30)
 def test_the_idle_coordinator_waits_for_announcements_yet_acts_on_a_report_at_once():
-    """At idle the coordinator looks at the store every `look_s` (not every poll), and
+    """At idle the coordinator looks at the store every `look_s` (not every poll), reads
+    the agents' beats in one request every `silence.look_s` (`unbroken.run.silence`), and
     a worker's report of a lost peer, announced (`unbroken.run.news`), still reaches it
     within a poll or two: it pings the agents at once."""
     from unbroken.run import contract, coordinator, listen
@@ -369,7 +370,8 @@ def test_the_idle_coordinator_waits_for_announcements_yet_acts_on_a_report_at_on
             coord.poll()
             time.sleep(coordinator.POLL_S)
         looks = 1.0 / coord.look_s + 1
-        assert store.n - idle_from <= looks * 12, store.n - idle_from  # ~10 requests a look
+        feels = 1.0 / coord.silence.look_s + 1  # the beats, all in one request each time
+        assert store.n - idle_from <= looks * 12 + feels, store.n - idle_from  # ~10 a look
         assert coord.suspected is None
         raw.append(f"{contract.SUSPECT_KEY}-0", "1,")
         announce(raw)

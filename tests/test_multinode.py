@@ -9,6 +9,7 @@ ends bitwise equal to an uninterrupted run, and every rank not lost keeps its pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -41,8 +42,8 @@ def log_fd(path: Path) -> int:
 class Cluster:
     """A coordinator and the node agents of one job, all on loopback."""
 
-    def __init__(self, tmp: Path, *options: str) -> None:
-        self.tmp, self.options = tmp, options
+    def __init__(self, tmp: Path, *options: str, steps: int = STEPS) -> None:
+        self.tmp, self.options, self.steps = tmp, options, steps
         self.job = f"mn-{uuid.uuid4().hex[:8]}"
         self.out = tmp / "out"
         self.out.mkdir(parents=True)
@@ -92,17 +93,21 @@ class Cluster:
             "--heal",
             f"--ckpt={self.tmp / 'ckpt'}",
             f"--out={self.out}",
-            f"--steps={STEPS}",
+            f"--steps={self.steps}",
             f"--save-every={SAVE_EVERY}",
             "--replicas=1",
         ]
         err = log_fd(self.tmp / f"agent-{len(self.agents)}.err")
-        proc = subprocess.Popen(
-            cmd, env={**ENV, "UNBROKEN_MEMORY_DIR": str(shm)}, stderr=err, start_new_session=True
-        )
+        # Its own run directory: heartbeats and events of this node only.
+        env = {**ENV, "UNBROKEN_MEMORY_DIR": str(shm), "UNBROKEN_RUN_DIR": str(self.run_dir())}
+        proc = subprocess.Popen(cmd, env=env, stderr=err, start_new_session=True)
         os.close(err)
         self.agents.append(proc)
         return proc
+
+    def run_dir(self, agent: int | None = None) -> Path:
+        """Agent ``agent``'s run directory (None: the next agent's)."""
+        return self.tmp / f"run-dir-{len(self.agents) if agent is None else agent}"
 
     def starts(self) -> list[dict]:
         path = self.out / "starts.jsonl"
@@ -130,10 +135,17 @@ class Cluster:
         )
 
     def close(self) -> None:
+        """Kill every process of the test, whole trees, stopped ones too (they get
+        SIGCONT first, so that none is left behind stopped)."""
+        from unbroken.run.procs import descendants, kill_tree
+
         procs: list[subprocess.Popen[Any]] = [self.coordinator, *self.agents]
         for proc in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                for pid in [proc.pid, *descendants(proc.pid)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+                kill_tree(proc.pid)
                 proc.wait()
         for shm in self.shm:
             shutil.rmtree(shm, ignore_errors=True)
@@ -325,10 +337,14 @@ def test_a_worker_report_finds_the_lost_node_by_ping_long_before_its_node_timeou
 
     from unbroken.run import contract
     from unbroken.run.coordinator import Coordinator
+    from unbroken.run.silence import Silence
 
     store: Any = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store.add(contract.GENERATION_KEY, 0)
-    co = Coordinator(store, node_timeout=30.0, suspect_timeout=0.2)
+    # Neither the node timeout nor a beat's silence (unbroken.run.silence) is tested here.
+    co = Coordinator(
+        store, node_timeout=30.0, suspect_timeout=0.2, silence=Silence(ping_after_s=30)
+    )
     store.set(contract.JOB_KEY, json.dumps({"nnodes": 3, "nproc_per_node": 2}))
     for slot, agent in enumerate("abc"):
         store.set(contract.slot_key(slot, "owner"), agent)

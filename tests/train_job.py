@@ -46,6 +46,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=0)
     p.add_argument("--in-process", action="store_true", help="train under in_process")
     p.add_argument("--heal", action="store_true", help="ckpt.step each step: live healing")
+    p.add_argument("--parts", action="store_true", help="--heal: a DDP wrapper per layer")
     return p.parse_args()
 
 
@@ -85,7 +86,13 @@ def heal_train(args: argparse.Namespace) -> None:
     ckpt = checkpointer(args)
     restored = ckpt.restore(state)
     record_start(args.out, rank, restored, ckpt.last_restore)
-    model = DistributedDataParallel(module)
+    model: nn.Module
+    if args.parts:  # each layer its own wrapper: layouts kept by the part's path
+        model = nn.Sequential(
+            *(DistributedDataParallel(m) if list(m.parameters()) else m for m in module.children())
+        )
+    else:
+        model = DistributedDataParallel(module)
     while progress.step < args.steps:
         step = progress.step + 1
         one_step(model, optim, step, rank)

@@ -2,7 +2,9 @@
 commands other wings own (run, coordinator, demo, goodput, simulate), started lazily so
 ``unbroken ls`` never imports the launcher.
 
-    main        `main()`: the parser and the checkpoint commands
+    main        `main()`: the parser, exit codes, and where each command runs (no torch)
+    commands    ls, show, verify, gc: the commands that read (gc also deletes)
+    writing     export, convert: the commands that write (torch)
     output      what ``ls|show|verify --json`` print
     hf_export   ``unbroken export --format hf``: weights as the folder ``from_pretrained`` loads
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
-from unbroken.format.directory import Directory
-from unbroken.format.layout import Manifest
-from unbroken.format.offline import Damage
-from unbroken.state import leaves
+from unbroken.errors import CheckpointError
+
+if TYPE_CHECKING:  # at run time only ``show`` needs torch, and imports it itself
+    from unbroken.format.directory import Directory
+    from unbroken.format.layout import Manifest
+    from unbroken.format.offline import Damage
 
 
 def dump(obj: dict[str, Any]) -> None:
@@ -38,18 +40,35 @@ def ls(
     path: str, directory: Directory, steps: list[int], subfolders: dict[str, Directory]
 ) -> dict[str, Any]:
     """``checkpoints`` of ``path`` itself; where it has none, ``subfolders`` lists the
-    folders directly under it that do, each as ``{"path", "checkpoints"}``."""
+    folders directly under it that do, each as ``{"path", "checkpoints"}``. A step whose
+    manifest cannot be read is listed as ``{"step", "damaged"}``."""
     return {
         "path": path,
-        "checkpoints": [checkpoint(directory.manifest(s)) for s in steps],
+        "checkpoints": [_listed(directory, s) for s in steps],
         "subfolders": [
-            {"path": sub, "checkpoints": [checkpoint(d.manifest(s)) for s in d.steps()]}
+            {"path": sub, "checkpoints": [_listed(d, s) for s in d.steps()]}
             for sub, d in subfolders.items()
         ],
     }
 
 
+def _listed(directory: Directory, step: int) -> dict[str, Any]:
+    """`checkpoint` of ``step``, or ``{step, damaged}`` (why its manifest cannot be read)."""
+    try:
+        return checkpoint(directory.manifest(step))
+    except CheckpointError as e:
+        return {"step": step, "damaged": str(e)}
+
+
+def any_damaged(listing: dict[str, Any]) -> bool:
+    """Whether an `ls` result lists a step whose manifest cannot be read."""
+    found = [*listing["checkpoints"], *(c for s in listing["subfolders"] for c in s["checkpoints"])]
+    return any("damaged" in c for c in found)
+
+
 def show(path: str, m: Manifest) -> dict[str, Any]:
+    from unbroken.state import leaves
+
     return {
         "path": path,
         **checkpoint(m),

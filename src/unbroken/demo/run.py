@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,9 @@ from unbroken.demo.report import (
 from unbroken.run.procs import kill_tree
 
 LAUNCH_TIMEOUT_S = 120.0  # one launch takes ~10 s; past this it is hung
-EXPECTED_TIME = "30-40 s on 2 CPU cores"  # measured: 30-37 s for the three launches
+# Measured: 30-37 s for the three launches on 2 idle cores; 86-139 s on 2 cores shared with
+# other work. Each launch starts 3 Python processes that import torch: CPU-bound start-up.
+EXPECTED_TIME = "30-40 s on 2 idle CPU cores, longer on a busy machine"
 TIMELINE = "timeline.json"
 TOKENS = "corpus.tokens"  # the tokenised corpus, with its sidecar TOKENS.json
 
@@ -180,14 +183,31 @@ def _keep_or_clean(console: Console, root: Path, created: bool, clean: bool) -> 
         f"\nKept in [bold]{d}[/]: the checkpoints of both runs (killed/ holds the killed and "
         f"resumed run's), the tokenised corpus ({TOKENS}) and the recovery timeline "
         f"({TIMELINE}). Try:\n"
-        f"  unbroken ls {d}\n"
-        f"  unbroken verify {d}/killed --all\n"
-        f"  unbroken show {d}/killed\n"
-        f"  unbroken export {d}/killed model.safetensors\n"
-        f"  unbroken goodput {d}/events/killed\n"
-        f"Delete it with: rm -r {d}   (or run the demo with --clean)",
+        + "".join(f"  {escape(c)}\n" for c in hints(root))
+        + f"Delete it with: rm -r {d}   (or run the demo with --clean)",
         soft_wrap=True,  # never break a command the user may copy
     )
+
+
+def hints(root: Path) -> list[str]:
+    """The commands to try on what the demo kept, only on what is there: after a failed
+    launch the killed run may have no checkpoint, and no event log."""
+    runs = [root / name for name in ("killed", "uninterrupted") if _has_checkpoints(root / name)]
+    commands = [f"unbroken ls {root}"]
+    if runs:
+        commands += [
+            f"unbroken verify {runs[0]} --all",
+            f"unbroken show {runs[0]}",
+            f"unbroken export {runs[0]} {root / 'model.safetensors'} --force",
+        ]
+    events = root / "events" / "killed"
+    if events.is_dir() and any(events.iterdir()):
+        commands.append(f"unbroken goodput {events}")
+    return commands
+
+
+def _has_checkpoints(folder: Path) -> bool:
+    return any(folder.glob("step-*/manifest.json"))  # committed: its manifest is written
 
 
 # --- launching and killing -------------------------------------------------------------
@@ -303,8 +323,26 @@ def _check(console: Console, launch: Launch, what: str) -> bool:
 
 
 def _fail(console: Console, launch: Launch, message: str) -> None:
-    console.print(f"[red]error:[/] {escape(message)}; its last output:")
-    console.print("\n".join(launch.log[-40:]), markup=False)
+    shown, skipped = first_error(launch.log)
+    console.print(f"[red]error:[/] {escape(message)}; its first error:")
+    console.print("\n".join(shown), markup=False, highlight=False)
+    if skipped:
+        console.print(f"({skipped} more lines of output after it)")
+
+
+# The first line of what went wrong: a traceback, an exception, or a tool's "error:".
+_ERROR = re.compile(r"Traceback \(most recent|\b\w*(Error|Exception)\b|\berror:", re.IGNORECASE)
+
+
+def first_error(log: list[str], lines: int = 30) -> tuple[list[str], int]:
+    """The first error of ``log`` and the ``lines`` after it (the cause: what other ranks
+    print later is mostly the consequence, a peer's abort), and how many lines that
+    leaves out; the last ``lines`` where no line looks like an error."""
+    start = next((i for i, line in enumerate(log) if _ERROR.search(line)), None)
+    if start is None:
+        return log[-lines:], 0
+    shown = log[start : start + lines]
+    return shown, len(log) - start - len(shown)
 
 
 if __name__ == "__main__":

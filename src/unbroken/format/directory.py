@@ -10,9 +10,10 @@ or counted by retention; the next Checkpointer to open removes it.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format.layout import LATEST, MANIFEST, Manifest, parse_step_dir, step_dir
+from unbroken.format.layout import LATEST, MANIFEST, Manifest, parse, parse_step_dir, step_dir
 from unbroken.format.validate import latest_step
 from unbroken.run import faults
 from unbroken.storage import Storage
@@ -70,8 +71,17 @@ class Directory:
 
     def parse(self, step: int, data: bytes) -> Manifest:
         """``data``, the manifest of ``step``, checked (see `unbroken.format.validate`)."""
-        where = f"{self.path}/{step_dir(step)}/{MANIFEST}"
-        manifest = Manifest.from_json(data, where)
+        return self.built(step, parse(data, self.manifest_path(step)))
+
+    def manifest_path(self, step: int) -> str:
+        """Names the manifest of ``step`` in messages."""
+        return f"{self.path}/{step_dir(step)}/{MANIFEST}"
+
+    def built(self, step: int, raw: dict[str, Any]) -> Manifest:
+        """The manifest of ``step`` from ``raw``, which `unbroken.format.layout.parse`
+        checked, every part of it."""
+        where = self.manifest_path(step)
+        manifest = Manifest.built(raw, where)
         if manifest.step != step:
             raise CheckpointError(f"{where} says it is step {manifest.step}, not {step}")
         return manifest

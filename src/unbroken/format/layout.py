@@ -9,19 +9,22 @@ older reader could misread.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format.validate import validate_manifest
+from unbroken.format.validate import WHOLE, Part, validate_manifest
 from unbroken.job.gc_paused import building
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "unbroken-checkpoint"
 VERSION = 2  # 2: chunks over one piece carry a checksum per piece (see block_checksums)
@@ -29,25 +32,39 @@ MANIFEST = "manifest.json"
 LATEST = "latest"  # {"step": N}: the newest committed step, moved only after its commit
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 
-DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint64: "U64",
-    torch.uint32: "U32",
-    torch.uint16: "U16",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-}
-TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+
+@functools.cache
+def _tables() -> tuple[dict[torch.dtype, str], dict[str, torch.dtype]]:
+    """The format's dtype names, both ways: built on first use, so that reading a manifest
+    (``unbroken ls``) never imports torch, which takes seconds."""
+    import torch
+
+    names: dict[torch.dtype, str] = {
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.float8_e4m3fn: "F8_E4M3",
+        torch.float8_e5m2: "F8_E5M2",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint64: "U64",
+        torch.uint32: "U32",
+        torch.uint16: "U16",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+        torch.complex64: "C64",
+    }
+    return names, {name: dtype for dtype, name in names.items()}
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (torch dtype -> name) and ``TORCH_DTYPES`` (name -> torch dtype)."""
+    if name in ("DTYPES", "TORCH_DTYPES"):
+        return _tables()[1 if name == "TORCH_DTYPES" else 0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def step_dir(step: int) -> str:
@@ -120,14 +137,14 @@ def verify_block(
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return DTYPES[dtype]
+        return _tables()[0][dtype]
     except KeyError:
         raise CheckpointError(f"tensors of dtype {dtype} cannot be checkpointed yet") from None
 
 
 def torch_dtype(name: str, where: str) -> torch.dtype:
     try:
-        return TORCH_DTYPES[name]
+        return _tables()[1][name]
     except KeyError:
         raise CorruptCheckpointError(f"{where}: unknown dtype {name!r}") from None
 
@@ -173,7 +190,7 @@ class TensorEntry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.dtype]
+        return _tables()[1][self.dtype]
 
 
 @dataclass(kw_only=True)
@@ -213,20 +230,14 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
+        """``data`` parsed and validated whole (`parse`)."""
+        return cls.built(parse(data, where), where)
+
+    @classmethod
+    def built(cls, raw: dict[str, Any], where: str) -> Manifest:
+        """The manifest of ``raw``, which `parse` checked: every part of it, in this
+        process or on the ranks of a restore, one part each, none refused."""
         with building():  # tens of thousands of dicts and lists at scale
-            try:
-                raw = json.loads(data)
-            except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-                raise CorruptCheckpointError(f"{where} is not valid JSON ({e!s:.200})") from None
-            if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-                raise CorruptCheckpointError(f"{where} is not an unbroken manifest")
-            version = raw.get("version")
-            if not isinstance(version, int) or version > VERSION:
-                raise CheckpointError(
-                    f"{where} has format version {version}, newer than this unbroken reads "
-                    f"(version {VERSION}); upgrade unbroken to restore it"
-                )
-            validate_manifest(raw, where)  # before anything it names is read or allocated
             try:
                 tensors = {
                     key: TensorEntry(
@@ -234,10 +245,6 @@ class Manifest:
                     )
                     for key, e in raw["tensors"].items()
                 }
-                for key, entry in tensors.items():
-                    torch_dtype(entry.dtype, f"{where}: tensor {key!r}")
-                    for chunk in entry.chunks:
-                        _check_pieces(chunk, f"{where}: tensor {key!r}")
                 return cls(
                     step=raw["step"],
                     world_size=raw["world_size"],
@@ -246,23 +253,49 @@ class Manifest:
                     objects=raw["objects"],
                     rank_objects=raw["rank_objects"],
                     files=raw["files"],
-                    version=version,
+                    version=raw["version"],
                 )
             except (KeyError, TypeError) as e:
                 raise CorruptCheckpointError(f"{where} is missing or has a malformed {e}") from None
 
 
-def _check_pieces(chunk: Chunk, where: str) -> None:
+def parse(data: bytes, where: str, part: Part = WHOLE) -> dict[str, Any]:
+    """A manifest's JSON, its header and ``part`` of the rest validated
+    (`unbroken.format.validate`) before anything it names is read or allocated: a
+    `CorruptCheckpointError` naming what is wrong, or a `CheckpointError` for a format
+    newer than this reader's. `Manifest.built` makes the manifest once every part is
+    checked."""
+    with building():  # tens of thousands of dicts and lists at scale
+        try:
+            raw = json.loads(data)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise CorruptCheckpointError(f"{where} is not valid JSON ({e!s:.200})") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise CorruptCheckpointError(f"{where} is not an unbroken manifest")
+        version = raw.get("version")
+        if not isinstance(version, int) or version > VERSION:
+            raise CheckpointError(
+                f"{where} has format version {version}, newer than this unbroken reads "
+                f"(version {VERSION}); upgrade unbroken to restore it"
+            )
+        for key in validate_manifest(raw, where, part):
+            for chunk in raw["tensors"][key]["chunks"]:
+                _check_pieces(chunk, f"{where}: tensor {key!r}")
+        return raw
+
+
+def _check_pieces(chunk: dict[str, Any], where: str) -> None:
     """Pieces that do not tile the block exactly would leave bytes unverified."""
-    if chunk.pieces is None and chunk.piece_bytes is None:
+    pieces, size = chunk.get("pieces"), chunk.get("piece_bytes")
+    if pieces is None and size is None:
         return
-    size = chunk.piece_bytes
-    if not (isinstance(size, int) and size > 0 and isinstance(chunk.pieces, list)) or len(
-        chunk.pieces
-    ) != -(-chunk.nbytes // size):
+    start, end = chunk["start"], chunk["end"]  # validated
+    if not (isinstance(size, int) and size > 0 and isinstance(pieces, list)) or len(pieces) != -(
+        -(end - start) // size
+    ):
         raise CorruptCheckpointError(
-            f"{where}: the piece checksums of the block at {chunk.file} bytes "
-            f"{chunk.start}-{chunk.end} do not cover it"
+            f"{where}: the piece checksums of the block at {chunk['file']} bytes "
+            f"{start}-{end} do not cover it"
         )
 
 
@@ -284,4 +317,4 @@ def safetensors_header(entries: list[tuple[str, torch.dtype, list[int], int]]) -
 
 
 def nbytes_of(dtype: torch.dtype, shape: list[int]) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize

@@ -63,8 +63,18 @@ def file_name(name: Any, where: str) -> str:
     return name
 
 
-def validate_manifest(raw: dict[str, Any], where: str) -> None:
-    """Raise `CorruptCheckpointError` unless ``raw`` (parsed JSON) is a well-formed manifest."""
+Part = tuple[int, int]  # (k, parts): the k-th of ``parts`` shares of a manifest's checks
+WHOLE: Part = (0, 1)
+
+
+def validate_manifest(raw: dict[str, Any], where: str, part: Part = WHOLE) -> list[str]:
+    """Raise `CorruptCheckpointError` unless ``raw`` (parsed JSON) is a well-formed manifest
+    as far as ``part`` goes; returns the keys of the tensors it checked.
+
+    The header (step, world, files, objects) is checked whole by every part; the tensors
+    are split in ``parts`` runs of about as many chunks each, and the no-overlap rule
+    by file. The ``parts`` parts together check exactly what `WHOLE` checks: the ranks
+    of a restore check one part each and exchange their verdicts (docs/scaling.md)."""
     _int(raw.get("step"), 0, MAX_STEP, where, "step")
     world = _int(raw.get("world_size"), 1, MAX_WORLD, where, "world_size")
     if type(raw.get("created")) not in (int, float):
@@ -86,17 +96,55 @@ def validate_manifest(raw: dict[str, Any], where: str) -> None:
     tensors = raw.get("tensors")
     if not isinstance(tensors, dict):
         raise _fail(where, "tensors must be an object")
+    mine = share(tensors, part)
+    for key in mine:
+        _tensor(tensors[key], files, world, _where(where, key))
+    k, parts = part
+    ours = {name for i, name in enumerate(files) if i % parts == k}
+    for name, spans in _spans(tensors, ours).items():
+        _no_overlap(name, spans, where)
+    return mine
+
+
+def _where(where: str, key: str) -> str:
+    return f"{where}: tensor {key!r:.200}"
+
+
+def share(tensors: dict[str, Any], part: Part) -> list[str]:
+    """The keys of the ``k``-th of ``parts`` runs of tensors, cut where the count of
+    chunks before a tensor crosses a multiple of total / parts (a malformed entry
+    counts one)."""
+    k, parts = part
+    if parts == 1:
+        return list(tensors)
+    sizes = [
+        len(c) if type(e) is dict and type(c := e.get("chunks")) is list else 1
+        for e in tensors.values()
+    ]
+    total, before, mine = max(1, sum(sizes)), 0, []
+    for key, size in zip(tensors, sizes, strict=True):
+        if before * parts // total == k:
+            mine.append(key)
+        before += size
+    return mine
+
+
+def _spans(tensors: dict[str, Any], files: set[str]) -> dict[str, list[tuple[int, int, str]]]:
+    """The byte ranges every chunk claims in ``files``: ``(start, end, key)``. Every
+    tensor is looked at, those another part checks too, so what does not look like a
+    range is passed over here (its own part refuses it)."""
     ranges: dict[str, list[tuple[int, int, str]]] = {}
     for key, entry in tensors.items():
-        _tensor(key, entry, files, world, ranges, f"{where}: tensor {key!r:.200}")
-    for name, spans in ranges.items():
-        _no_overlap(name, spans, where)
+        chunks = entry.get("chunks") if type(entry) is dict else None
+        for c in chunks if type(chunks) is list else ():
+            if type(c) is dict and (name := c.get("file")) in files:
+                start, end = c.get("start"), c.get("end")
+                if type(start) is int and type(end) is int:
+                    ranges.setdefault(name, []).append((start, end, key))
+    return ranges
 
 
-def _tensor(
-    key: str, entry: Any, files: dict[str, int], world: int,
-    ranges: dict[str, list[tuple[int, int, str]]], where: str,
-) -> None:  # fmt: skip
+def _tensor(entry: Any, files: dict[str, int], world: int, where: str) -> None:
     if not isinstance(entry, dict) or not isinstance(entry.get("chunks"), list):
         raise _fail(where, "must be an object with dtype, shape and chunks")
     dtype = entry.get("dtype")
@@ -110,7 +158,7 @@ def _tensor(
     for chunk in entry["chunks"]:
         if not isinstance(chunk, dict):
             raise _fail(where, "every chunk must be an object")
-        _chunk(chunk, shape, itemsize, files, world, ranges, where)
+        _chunk(chunk, shape, itemsize, files, world, where)
         span = (chunk["file"], chunk["start"], chunk["end"])
         if span in seen and chunk["end"] > chunk["start"]:
             raise _fail(where, f"two blocks claim bytes {span[1]}-{span[2]} of {span[0]}")
@@ -129,7 +177,7 @@ _CHUNK_FIELDS = frozenset(
 
 def _chunk(
     chunk: dict[str, Any], shape: list[int], itemsize: int, files: dict[str, int], world: int,
-    ranges: dict[str, list[tuple[int, int, str]]], where: str,
+    where: str,
 ) -> None:  # fmt: skip
     """Check one block. The common, valid case is checked in one expression (a manifest
     of 100,000 blocks is validated in about the time ``json.loads`` took to parse it); a
@@ -157,7 +205,6 @@ def _chunk(
         and chunk.keys() <= _CHUNK_FIELDS
     ):
         _chunk_fields(chunk, shape, itemsize, files, world, where)
-    ranges.setdefault(chunk["file"], []).append((chunk["start"], chunk["end"], where))
 
 
 def _chunk_fields(
@@ -197,9 +244,9 @@ def _chunk_fields(
 def _no_overlap(name: str, spans: list[tuple[int, int, str]], where: str) -> None:
     """Blocks may share one range exactly (a deduplicated replicated block), never in part."""
     spans.sort()
-    for (s0, e0, _), (s1, e1, who) in itertools.pairwise(spans):
+    for (s0, e0, _), (s1, e1, key) in itertools.pairwise(spans):
         if s1 < e0 and (s0, e0) != (s1, e1):
-            raise _fail(who, f"bytes {s1}-{e1} of {name} overlap bytes {s0}-{e0}")
+            raise _fail(_where(where, key), f"bytes {s1}-{e1} of {name} overlap bytes {s0}-{e0}")
 
 
 def stored_enough(key: str, dtype: str, shape: list[int], chunks: list[Any], where: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -50,12 +51,57 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Fields a projection divides by, or a cluster cannot have none of: above zero. The
+# others (timeouts, warm-ups) may be zero, never negative.
+POSITIVE = {"gpus", "gpus_per_node", "gpu_mtbf_hours", "d2h_gbps", "nic_gbps", "store_gbps"}
+POSITIVE |= {"step_s"}
+
+
 def cluster_of(args: argparse.Namespace) -> Cluster:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cluster)}
-    mix = tuple(float(x) for x in str(args.mix).split(","))
-    if len(mix) != 3 or min(mix) < 0 or sum(mix) <= 0:
-        raise SystemExit(f"unbroken simulate: --mix {args.mix}: three shares, process,node,hang")
+    try:
+        mix = tuple(float(x) for x in str(args.mix).split(","))
+    except ValueError:
+        mix = ()
+    if len(mix) != 3 or not all(math.isfinite(x) and x >= 0 for x in mix) or sum(mix) <= 0:
+        raise SystemExit(
+            f"unbroken simulate: --mix {args.mix}: three shares of failures, process,node,hang "
+            "(e.g. 0.5,0.4,0.1)"
+        )
+    for name, value in values.items():
+        if name == "mix" or isinstance(value, bool):
+            continue
+        least = "above 0" if name in POSITIVE else "0 or more"
+        if not math.isfinite(value) or value < 0 or (value == 0 and name in POSITIVE):
+            flag = "--" + name.replace("_", "-")
+            raise SystemExit(f"unbroken simulate: {flag} {value}: give a number {least}")
     return Cluster(**{**values, "mix": (mix[0], mix[1], mix[2])})
+
+
+def _check_run(args: argparse.Namespace) -> None:
+    """The options that are not the cluster's: what a run of the simulation needs."""
+    if not (math.isfinite(args.days) and args.days > 0):
+        raise SystemExit(f"unbroken simulate: --days {args.days}: give a number above 0")
+    if args.seeds < 1:
+        raise SystemExit(f"unbroken simulate: --seeds {args.seeds}: give at least 1")
+    if args.interval is not None and not (math.isfinite(args.interval) and args.interval > 0):
+        raise SystemExit(f"unbroken simulate: --interval {args.interval}: seconds, above 0")
+
+
+def measured_of(path: Path | None) -> dict[str, Measured]:
+    """The phases ``--results`` names, or none; a file that holds none is a usage error."""
+    if path is None:
+        return {}
+    try:
+        return from_results(path)
+    except OSError as e:
+        raise SystemExit(f"unbroken simulate: --results {path}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        why = f"no {e} in its RESULT line" if isinstance(e, KeyError) else str(e)
+        raise SystemExit(
+            f"unbroken simulate: --results {path}: not the output of bench/recovery.py "
+            f"({why}); give the file its RESULT line is in, or leave --results out"
+        ) from None
 
 
 def project(
@@ -109,7 +155,8 @@ def table(cluster: Cluster, rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cluster = cluster_of(args)
-    measured: dict[str, Measured] = from_results(args.results) if args.results else {}
+    _check_run(args)
+    measured = measured_of(args.results)
     chosen = STRATEGIES if args.strategy == "both" else (args.strategy,)
     costs = [strategy_costs(s, cluster, measured.get(s)) for s in chosen]
     rows = [project(c, cluster, args.interval, args.days, args.seeds) for c in costs]

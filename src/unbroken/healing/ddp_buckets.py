@@ -67,24 +67,28 @@ class Tracker:
             apply(module, owed)
 
     def owe(self, state: Mapping[str, Any], layouts: Mapping[str, Layout]) -> None:
-        """Apply ``layouts`` (by state entry) to the wrappers in ``state`` now, and to
-        wrappers of its modules built later, at their first forward."""
-        for name, wanted in layouts.items():
-            value = state.get(name)
+        """Apply ``layouts`` (by `key`) to the wrappers in ``state`` now, and to wrappers
+        of its modules built later, at their first forward."""
+        for key, wanted in layouts.items():
+            value = resolve(state, key)
             if isinstance(value, DistributedDataParallel):
                 apply(value, wanted)
-            elif isinstance(value, nn.Module) and self._handle is not None:
+            elif value is not None and self._handle is not None:
                 self._owed[id(value)] = wanted
 
     def wrappers(self, state: Mapping[str, Any]) -> dict[str, DistributedDataParallel]:
-        """The DDP wrappers of ``state``'s entries (or entries that are one), by name."""
+        """The DDP wrappers of ``state``'s modules, by `key`: of an entry (or an entry
+        that is one), or of a part of an entry's module (a model wrapped part by part)."""
         seen = [w for w in (ref() for ref in self._seen) if w is not None]
         found = {}
         for name, value in state.items():
             if isinstance(value, DistributedDataParallel):
                 found[name] = value
-            else:
-                found.update((name, w) for w in seen if w.module is value)
+            elif isinstance(value, nn.Module) and seen:
+                paths = {id(m): path for path, m in value.named_modules()}
+                for w in seen:
+                    if (path := paths.get(id(w.module))) is not None:
+                        found[key(name, path)] = w
         return found
 
     def layouts(self, state: Mapping[str, Any]) -> dict[str, Layout]:
@@ -137,7 +141,7 @@ def check_layouts(raw: Any, state: Mapping[str, Any]) -> dict[str, Layout]:
         raise ValueError("the layouts are not an object")
     found = {}
     for name, wanted in raw.items():
-        value = state.get(name)
+        value = resolve(state, name) if isinstance(name, str) else None
         module = value.module if isinstance(value, DistributedDataParallel) else value
         if not isinstance(module, nn.Module):
             raise ValueError(f"{name!r:.60} is not a module of the state")
@@ -152,6 +156,27 @@ def check_layouts(raw: Any, state: Mapping[str, Any]) -> dict[str, Layout]:
             raise ValueError(f"the layout of {name!r} does not fit its {count} parameters")
         found[name] = [list(b) for b in wanted]
     return found
+
+
+def key(entry: str, path: str) -> str:
+    """A layout's key: the state entry, or ``entry:path`` for the wrapper of a part of its
+    module (``path`` as `nn.Module.get_submodule` takes it)."""
+    return f"{entry}:{path}" if path else entry
+
+
+def resolve(state: Mapping[str, Any], name: str) -> nn.Module | None:
+    """The module a layout's `key` names in ``state``, or None."""
+    value = state.get(name)
+    if value is None and ":" in name:
+        entry, path = name.rsplit(":", 1)
+        top = state.get(entry)
+        top = top.module if isinstance(top, DistributedDataParallel) else top
+        if isinstance(top, nn.Module):
+            try:
+                value = top.get_submodule(path)
+            except AttributeError:
+                return None
+    return value if isinstance(value, nn.Module) else None
 
 
 def _eligible(ddp: DistributedDataParallel) -> bool:

@@ -26,10 +26,18 @@ flight on a GPU waits for a dead peer (`abort_nccl`, called by `shutdown`). Set
 otherwise NCCL's watchdog may tear the process down before the abort. On CPU (no NCCL
 group) this part does nothing.
 
-Sockets are recognised by their inode, recorded as the group is created (gloo connects
-its whole mesh while the group is built). Listening sockets are left alone: gloo's
-listener thread aborts the process if its socket is shut down under it. Groups the
-training code creates itself are not tracked; their operations fail once a peer's do.
+The groups connect lazily (`unbroken.job.comm.gloo_group`): a pair of ranks connects on
+its first exchange, from one of gloo's threads, at any moment of the generation. So a
+connection is recognised by its ends, not by when it was made: each rank's gloo device
+listens on an address of its own, made while the group is built (`tracking` records it),
+and the group's ranks share those addresses once (`adopt`). Every pair's connection has
+a listener's address at one end: this rank's, where a peer connected to it, or a
+peer's, where this rank connected, which is the end that matters when that peer is a
+stopped machine that will never shut its own end down. Connections made while a group
+is built (and the generation's store connection) are recognised by their inode too.
+Listening sockets are left alone: gloo's listener thread aborts the process if its
+socket is shut down under it. Groups the training code creates itself are not tracked;
+their operations fail once a peer's do.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ SETTLE_S = 60.0  # the longest a save waits for an abandoned save (then goes on,
 
 _lock = threading.Lock()
 _owned: set[str] = set()  # "socket:[inode]" links of tracked connections
+_listeners: set[tuple[str, int]] = set()  # gloo listeners of this generation's groups
 _enabled = False
 _generation = 0
 _aborted = threading.Event()
@@ -112,6 +121,7 @@ def begin(generation: int = 0) -> None:
     with _lock:
         _enabled, _generation = True, generation
         _aborted.clear()
+        _listeners.clear()  # the failed generation's groups: kept, never used again
 
 
 def poll_s() -> float | None:
@@ -130,15 +140,31 @@ def check(what: str) -> None:
 
 
 @contextlib.contextmanager
-def tracking() -> Iterator[None]:
-    """Record the sockets created inside the block as belonging to a process group."""
+def tracking() -> Iterator[list[tuple[str, int]]]:
+    """Record the sockets created inside the block as belonging to a process group; the
+    list given fills with the addresses of the listening ones (one per gloo device), for
+    `adopt`. Nothing is recorded, and the list stays empty, outside in-process recovery."""
+    made: list[tuple[str, int]] = []
     if not _enabled:
-        yield
+        yield made
         return
     before = set(_sockets().values())
-    yield
+    yield made
     with _lock:
-        _owned.update(set(_sockets().values()) - before)
+        for fd, link in _sockets().items():
+            if link not in before:
+                _owned.add(link)
+                with contextlib.suppress(OSError), _dup(fd) as sock:
+                    if _tcp(sock) and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        made.append(_address(sock.getsockname()))
+
+
+def adopt(listeners: list[tuple[str, int]]) -> None:
+    """The gloo listeners of every rank of a group created under `tracking`: connections
+    with one of them at either end belong to the group, whenever gloo makes them."""
+    with _lock:
+        if _enabled:
+            _listeners.update((host, port) for host, port in listeners)
 
 
 def shutdown(generation: int | None = None) -> int:
@@ -150,23 +176,50 @@ def shutdown(generation: int | None = None) -> int:
             return 0  # too late: that generation is over, its connections gone
         _aborted.set()
         owned = set(_owned)
-        _owned.clear()
-        count = 0
-        for fd, link in _sockets().items():
-            if link not in owned:
-                continue
-            with contextlib.suppress(OSError):
-                # A duplicate descriptor: shutdown acts on the socket itself, and closing
-                # the duplicate leaves gloo's own descriptor open (gloo closes it later).
-                sock = socket.socket(fileno=os.dup(fd))
-                try:
-                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                        sock.shutdown(socket.SHUT_RDWR)
-                        count += 1
-                finally:
-                    sock.close()
+        _owned.clear()  # the listeners stay known until the next generation begins:
+        # a pair may still connect to one of them (a peer not yet aborted)
+        count = sum(_shut(fd, link in owned) for fd, link in _sockets().items())
         count += abort_nccl()
     return count
+
+
+def _shut(fd: int, owned: bool) -> bool:
+    """Shut the connection on ``fd`` down if it is a tracked group's; whether it was."""
+    with contextlib.suppress(OSError), _dup(fd) as sock:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return False
+        if owned or _pair(sock):
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+    return False
+
+
+def _pair(sock: socket.socket) -> bool:
+    """Whether ``sock`` connects to, or was accepted by, a tracked group's listener."""
+    if not _listeners or not _tcp(sock):
+        return False
+    ends = (_address(sock.getsockname()), _address(sock.getpeername()))
+    return any(end in _listeners for end in ends)
+
+
+def _tcp(sock: socket.socket) -> bool:
+    return sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6)
+
+
+def _address(name: Any) -> tuple[str, int]:
+    """(host, port) of a socket address, IPv4 or IPv6."""
+    return str(name[0]), int(name[1])
+
+
+@contextlib.contextmanager
+def _dup(fd: int) -> Iterator[socket.socket]:
+    """A duplicate descriptor of ``fd`` as a socket: shutdown acts on the socket itself,
+    and closing the duplicate leaves the owner's descriptor open (gloo closes its own)."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        yield sock
+    finally:
+        sock.close()
 
 
 def abort_nccl() -> int:

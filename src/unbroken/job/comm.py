@@ -4,13 +4,14 @@ Checkpoint coordination runs on a process group of its own (gloo, host memory), 
 never interleaves with the training loop's collectives, whatever backend those use.
 Messages are JSON, not pickles: nothing received from another process executes code.
 
-The group connects lazily (gloo's ``TORCH_GLOO_LAZY_INIT``): a pair of ranks connects
-when it first exchanges data. An eager gloo group connects the full mesh at creation,
-every rank reading every other's address from the store: O(world²) store requests.
-The checkpointer's group needs only its collectives' neighbours (rings, trees) and its
-replica partners: O(world) requests in all (docs/scaling.md). Under in-process recovery
-the group stays eager: `unbroken.job.abort` finds a group's sockets as the group is created,
-and must, to wake collectives stuck on a failed peer.
+The group connects lazily (gloo's ``TORCH_GLOO_LAZY_INIT``, `gloo_group`): a pair of
+ranks connects when it first exchanges data. An eager gloo group connects the full mesh
+at creation, every rank reading every other's address from the store: O(world²) store
+requests, ~20 M at 2,304 ranks. The checkpointer's group needs only its collectives'
+neighbours (rings, trees) and its replica partners: O(world) requests in all
+(docs/scaling.md). Under in-process recovery the ranks then share their gloo listeners'
+addresses once, so that `unbroken.job.abort` knows every connection the group will
+ever make, and can shut it down to wake a collective stuck on a failed peer.
 
 Once a collective or transfer fails because a peer is gone, the group is not used again
 (`Comm.wire`): a rank that issues its next collective while a peer is still inside an
@@ -59,12 +60,10 @@ class Comm:
         self.rank, self.world_size = 0, 1
         if dist.is_available() and dist.is_initialized():
             # new_group is collective: every rank constructs its Checkpointer together.
-            with abort.tracking(), _lazy(abort.poll_s() is None):
-                self.group = dist.new_group(
-                    ranks=None if group is None else dist.get_process_group_ranks(group),
-                    backend="gloo",
-                    timeout=timeout,
-                )
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            self.group = gloo_group(
+                lambda: dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+            )
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
 
@@ -87,21 +86,8 @@ class Comm:
         """Every rank's ``obj``, in rank order, on every rank."""
         if self.group is None:
             return [obj]
-        data = json.dumps(obj).encode()
-        size = torch.tensor([len(data)])
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        with self.wire(), lent(size, *sizes):
-            dist.all_gather(sizes, size, group=self.group)
-        longest = max(int(s) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        with self.wire(), lent(mine, *out):
-            dist.all_gather(out, mine, group=self.group)
-        with building():  # a save's rows: every rank's blocks
-            return [
-                json.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)
-            ]
+        with self.wire():
+            return _all_gather(self.group, obj)
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
@@ -187,6 +173,85 @@ class Comm:
         dist.destroy_process_group(self.group)
         self.group = None
 
+    # -- rank 0 plans, the others get their part (issue 33: no rank decodes every row
+    # but rank 0; every other rank's cost is its own row and its own part) ------------
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` (JSON), in rank order, on rank 0; None on the others.
+        Rows are padded with spaces to the longest (JSON ignores them), so one size is
+        agreed first."""
+        if self.group is None:
+            return [obj]
+        data = json.dumps(obj).encode()
+        size = torch.tensor([len(data)])
+        self.all_reduce_max(size)
+        mine = torch.full((int(size),), ord(" "), dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else []
+        with self.wire(), lent(mine, *rows):
+            dist.gather(mine, rows or None, group=self.group, group_dst=0)
+        if self.rank != 0:
+            return None
+        with building():  # every rank's blocks, on this rank alone
+            return [json.loads(t.numpy().tobytes()) for t in rows]
+
+    def scatter(self, parts: list[Any] | None) -> Any:
+        """``parts[r]`` of rank 0 (JSON, one per rank) on rank r; ``parts`` is read on
+        rank 0 only. Padded with spaces to the longest part, whose size is broadcast."""
+        if self.group is None:
+            assert parts is not None
+            return parts[0]
+        out: list[torch.Tensor] = []
+        size = torch.tensor([0])
+        if self.rank == 0:
+            assert parts is not None and len(parts) == self.world_size
+            data = [json.dumps(p).encode() for p in parts]
+            size[0] = max(len(d) for d in data)
+            for d in data:
+                t = torch.full((int(size),), ord(" "), dtype=torch.uint8)
+                t[: len(d)] = torch.frombuffer(bytearray(d), dtype=torch.uint8)
+                out.append(t)
+        with self.wire(), lent(size):
+            dist.broadcast(size, group=self.group, group_src=0)
+        mine = torch.empty(int(size), dtype=torch.uint8)
+        with self.wire(), lent(mine, *out):
+            dist.scatter(mine, out or None, group=self.group, group_src=0)
+        return json.loads(mine.numpy().tobytes())
+
+    def planned(self, what: str, fn: Callable[[], T], plan: Callable[[list[T]], list[Any]]) -> Any:
+        """`gathered` where only rank 0 needs every rank's result: each rank runs ``fn``,
+        rank 0 gets the results and runs ``plan`` on them (one part per rank), and each
+        rank returns its own part. A failure of ``fn`` on any rank, or of ``plan``, raises
+        on every rank as `together`'s does."""
+        error: BaseException | None = None
+        result: T | None = None
+        try:
+            with self.wire():
+                result = fn()
+        except Exception as e:
+            error = e
+            if self.lost is not None:
+                raise
+        rows = self.gather([None if error is None else str(error), result])
+        parts: list[Any] | None = None
+        if rows is not None:
+            failures = [f"rank {r}: {e}" for r, (e, _) in enumerate(rows) if e is not None]
+            if not failures:
+                try:
+                    parts = [[None, p] for p in plan([row[1] for row in rows])]
+                except Exception as e:  # rank 0 raises it, the others hear of it
+                    error = e
+                    failures = [f"rank 0: {e}"]
+            if failures:
+                parts = [[f"{what} failed on another rank: {'; '.join(failures)}", None]]
+                parts *= self.world_size
+        failure, part = self.scatter(parts)
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise CheckpointError(failure)
+        return part
+
 
 class Transfers:
     """Point-to-point transfers under way; `wait` returns once all are done and gloo has
@@ -231,13 +296,54 @@ class _Kept:
         self._views.clear()  # on this thread, which holds the GIL
 
 
+def gloo_group(create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
+    """The gloo group ``create`` makes (collective), connecting lazily; under in-process
+    recovery its ranks then share their listeners' addresses with `abort` (one
+    all-gather), so that an abort reaches connections made at any later moment."""
+    with abort.tracking() as listeners, _lazy():
+        group = create()
+    if abort.poll_s() is not None and dist.get_rank(group) >= 0:
+        rows = _all_gather(group, listeners)
+        abort.adopt([(str(host), int(port)) for row in rows for host, port in row])
+    return group
+
+
+def _all_gather(group: dist.ProcessGroup, obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (JSON), in rank order, on every rank: gathered on the group's
+    first rank, then broadcast down gloo's binomial tree. That is 2 + 2·⌈log2 n⌉
+    sequential steps, where gloo's all_gather is a ring of ``n - 1`` (seconds at
+    thousands of ranks, for each of a save's or restore's exchanges: docs/scaling.md)."""
+    world, first = dist.get_world_size(group), dist.get_rank(group) == 0
+    data = json.dumps(obj).encode()
+    rows = [torch.zeros(1, dtype=torch.int64) for _ in range(world if first else 0)]
+    size = torch.tensor([len(data)])
+    with lent(size, *rows):
+        dist.gather(size, rows or None, group=group, group_dst=0)
+    sizes = torch.cat(rows) if first else torch.zeros(world, dtype=torch.int64)
+    with lent(sizes):
+        dist.broadcast(sizes, group=group, group_src=0)
+    longest = int(sizes.max())
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    padded = [torch.empty(longest, dtype=torch.uint8) for _ in range(world if first else 0)]
+    with lent(mine, *padded):
+        dist.gather(mine, padded or None, group=group, group_dst=0)
+    lengths = [int(n) for n in sizes]
+    blob = torch.empty(sum(lengths), dtype=torch.uint8)
+    if first:
+        blob[:] = torch.cat([row[:n] for row, n in zip(padded, lengths, strict=True)])
+    with lent(blob):
+        dist.broadcast(blob, group=group, group_src=0)
+    with building():  # a save's rows: every rank's blocks
+        return [json.loads(part.numpy().tobytes()) for part in blob.split(lengths)]
+
+
 @contextlib.contextmanager
-def _lazy(on: bool) -> Iterator[None]:
-    """gloo groups created inside connect lazily if ``on`` (read at group creation)."""
+def _lazy() -> Iterator[None]:
+    """gloo groups created inside connect lazily (read at group creation)."""
     key = "TORCH_GLOO_LAZY_INIT"
     before = os.environ.get(key)
-    if on:
-        os.environ[key] = "1"
+    os.environ[key] = "1"
     try:
         yield
     finally:

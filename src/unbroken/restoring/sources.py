@@ -20,14 +20,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format.blockio import run_all
 from unbroken.format.directory import Directory
-from unbroken.format.layout import Chunk, Manifest, TensorEntry, step_dir, verify_block
+from unbroken.format.layout import Chunk, Manifest, TensorEntry, parse, step_dir, verify_block
 from unbroken.format.shards import byte_view, fill_regions, read_held, read_many
 from unbroken.job.comm import Comm
 from unbroken.memory import replicas
@@ -191,26 +191,45 @@ class _Files:
 class StorageSource(_Files):
     """A committed checkpoint in a `Directory`."""
 
-    def __init__(
-        self, directory: Directory, step: int, data: bytes | None = None, damage: str | None = None
-    ) -> None:
-        """``data``: the manifest's bytes, if another rank fetched them (one request for
-        the job, not one per rank); ``damage``: why that rank could not read them, which
-        opening raises on every rank (`CorruptCheckpointError`)."""
+    def __init__(self, directory: Directory, step: int, damage: str | None = None) -> None:
+        """``damage``: why the manifest could not be read or failed a rank's checks (see
+        `validate`), which opening raises on every rank (`CorruptCheckpointError`)."""
         folder = step_dir(step)
         super().__init__(directory.storage, folder, f"{directory.path}/{folder}", verified=False)
-        self.directory, self.step, self._data, self._damage = directory, step, data, damage
+        self.directory, self.step, self._damage = directory, step, damage
         self.origin = Origin("storage", step)
         self._manifest: Manifest | None = None
+        self._raw: dict[str, Any] | None = None  # parsed, every part checked (`validate`)
+        self._refused: CheckpointError | None = None
+
+    def validate(self, comm: Comm, data: bytes) -> None:
+        """Check ``data``, the manifest one rank read (one request for the job), in parts:
+        every rank parses it and checks the header and its own part (`parse`), then the
+        verdicts are exchanged, so that a part damaged anywhere makes the step damaged
+        on every rank, with what its rank found. Opening then builds the manifest, not
+        checking it again. Collective."""
+        verdict, part = None, (comm.rank, comm.world_size)
+        try:
+            self._raw = parse(data, self.directory.manifest_path(self.step), part)
+        except CorruptCheckpointError as e:
+            verdict = str(e)
+        except CheckpointError as e:  # a newer format: the header's, the same on every rank
+            self._refused = e
+        damage = next((v for v in comm.all_gather(verdict) if v is not None), None)
+        if damage is not None:
+            self._damage, self._raw = damage, None
 
     def open(self) -> Manifest:
         if self._damage is not None:
             raise CorruptCheckpointError(self._damage)
+        if self._refused is not None:
+            raise self._refused
         if self._manifest is None:
-            data = self._data
-            if data is None:
+            if self._raw is None:  # not validated by the ranks together: here, whole
                 data = self.directory.manifest_bytes(self.step)
-            self._manifest = self.directory.parse(self.step, data)
+                self._manifest = self.directory.parse(self.step, data)
+            else:
+                self._manifest = self.directory.built(self.step, self._raw)
         return self._manifest
 
 

@@ -62,16 +62,27 @@ def choose(
     while True:
         in_memory = _in_memory(comm, memory, bad_memory, step)
 
-        def pick(in_memory: dict[int, dict[int, list[int]]] = in_memory) -> list[Any]:
-            return [] if comm.rank else _on_rank_0(directory, step, in_memory, bad_storage)
+        read: list[bytes] = []  # rank 0's: the manifest, if it comes from storage
 
-        chosen, text, damage = comm.broadcast(comm.together("finding a checkpoint", pick))
+        def pick(
+            in_memory: dict[int, dict[int, list[int]]] = in_memory, read: list[bytes] = read
+        ) -> list[Any]:
+            if comm.rank:
+                return []
+            chosen, data, damage = _on_rank_0(directory, step, in_memory, bad_storage)
+            read.extend([] if data is None else [data])
+            return [chosen, None if data is None else len(data), damage]
+
+        chosen, size, damage = comm.broadcast(comm.together("finding a checkpoint", pick))
         if chosen is None:
             return None
         if chosen not in in_memory:
             origins = (Origin("storage", chosen),) * comm.world_size
-            data = None if text is None else text.encode("latin-1")
-            source = StorageSource(directory, chosen, data, damage=damage)
+            source = StorageSource(directory, chosen, damage=damage)
+            if size is not None:  # its bytes, as they are, to every rank; checked in parts
+                data = bytearray(read[0] if read else size)
+                comm.broadcast_bytes(memoryview(data), 0)
+                source.validate(comm, bytes(data))
             return Choice(step=chosen, source=source, origins=origins)
         assert memory is not None
         choice = _from_memory(comm, memory, chosen, in_memory[chosen])
@@ -91,11 +102,11 @@ def fell_back(step: int, tier: str, reason: str) -> None:
 
 def _on_rank_0(
     directory: Directory, step: int | None, in_memory: Mapping[int, object], bad: set[int]
-) -> list[Any]:
+) -> Found:
     """The step, the manifest's bytes if they come from storage (one request for the
-    job; latin-1 carries any byte through JSON), and why they could not be read if the
-    manifest is damaged (see `_with_manifest`). The step the ``latest`` pointer names is
-    not checked first: reading its manifest checks it, a request sooner."""
+    job), and why they could not be read if the manifest is damaged (see
+    `_with_manifest`). The step the ``latest`` pointer names is not checked first:
+    reading its manifest checks it, a request sooner."""
     chosen = _pick(directory, step, in_memory, bad, directory.pointed)
     try:
         return _with_manifest(directory, chosen, in_memory)
@@ -108,19 +119,22 @@ def _on_rank_0(
     )
 
 
+Found = tuple[int | None, bytes | None, str | None]  # step, its manifest, its damage
+
+
 def _with_manifest(
     directory: Directory, chosen: int | None, in_memory: Mapping[int, object]
-) -> list[Any]:
-    """``[step, manifest text or None, damage or None]``. A manifest that is there but
+) -> Found:
+    """``(step, manifest bytes or None, damage or None)``. A manifest that is there but
     cannot be read (a link, a folder: `CorruptCheckpointError`) is damage like a
     manifest that does not parse: every rank's source fails to open with it, and the
     restore passes the step over, naming it, or raises where it may not fall back."""
     if chosen is None or chosen in in_memory:
-        return [chosen, None, None]
+        return chosen, None, None
     try:
-        return [chosen, directory.manifest_bytes(chosen).decode("latin-1"), None]
+        return chosen, directory.manifest_bytes(chosen), None
     except CorruptCheckpointError as e:
-        return [chosen, None, str(e)]
+        return chosen, None, str(e)
 
 
 def _pick(

@@ -42,7 +42,31 @@ coordinator.
 May import: access, errors, job.
 """
 
-from unbroken.run.inprocess import InProcessError, in_process
-from unbroken.run.worker import event, init_process_group, tick
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unbroken.run.inprocess import InProcessError, in_process
+    from unbroken.run.worker import event, init_process_group, tick
+
+# Imported on first use (PEP 562): the library reaches `faults` and `contract` through
+# this package, and the ``unbroken`` command must not pay for in-process recovery's
+# imports (torch) to list a checkpoint.
+_WHERE = {
+    "InProcessError": "unbroken.run.inprocess",
+    "event": "unbroken.run.worker",
+    "in_process": "unbroken.run.inprocess",
+    "init_process_group": "unbroken.run.worker",
+    "tick": "unbroken.run.worker",
+}
 __all__ = ["InProcessError", "event", "in_process", "init_process_group", "tick"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'unbroken.run' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

@@ -35,16 +35,15 @@ from datetime import timedelta
 
 from unbroken.run import contract, gate
 from unbroken.run.args import RunOptions, endpoint
-from unbroken.run.coordinator import ping
 from unbroken.run.listen import LOOPBACK
 from unbroken.run.news import Listener, announce, answer_pings, beat
 from unbroken.run.procs import descendants, kill_tree
+from unbroken.run.silence import BEAT_S, ping
 from unbroken.run.spare import Spares
 from unbroken.run.supervisor import Supervisor
 from unbroken.run.timeline import first_line, say
 from unbroken.run.watch import Stale
 
-BEAT_S = 0.2  # the agent's heartbeat to the coordinator
 CLAIM_WAIT_S = 600.0  # how long an agent waits for its --node-rank's slot to be free
 CLAIM_POLL_S = 0.02  # a standby takes a freed slot this soon (part of every node loss)
 # From a ping or an abort on, for FAST_FOR_S, the agent polls every FAST_POLL_S instead of
@@ -100,6 +99,7 @@ class NodeAgent(Supervisor):
     def rank_env(self, rank: int, generation: int) -> dict[str, str]:
         env = super().rank_env(rank, generation)
         env[contract.NODE_ENV] = str(self.slot)
+        env[contract.AGENT_ENV] = self.id  # a rank of a node declared lost stays out
         env[contract.MEMORY_DIR_ENV] = self.memory_dir
         env["GROUP_RANK"] = str(self.slot)
         return env

@@ -22,6 +22,9 @@ RUN_DIR_ENV = "UNBROKEN_RUN_DIR"  # `unbroken run`: the run directory to use (ne
 # Across machines: the coordinator's address as the user gave it, for messages (a node's
 # MASTER_ADDR:MASTER_PORT is its loopback relay to the coordinator, `unbroken.run.gate`).
 COORDINATOR_ENV = "UNBROKEN_COORDINATOR"
+# Across machines: the node agent that started the rank, which holds its node's slot
+# (``unbroken/slot-<node>/owner``) for as long as the coordinator counts the node in.
+AGENT_ENV = "UNBROKEN_AGENT"
 
 # -- shared memory ----------------------------------------------------------------------
 

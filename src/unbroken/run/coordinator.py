@@ -18,18 +18,23 @@ What it decides, and nothing else (the node agents, `unbroken.run.agent`, do the
 
 * node slots: an agent claims slot ``n`` (its node rank) with a compare-and-set on
   ``unbroken/slot-<n>/owner``; ranks ``n*L .. n*L+L-1`` are that slot's;
-* node loss: each agent bumps a counter of its own every `unbroken.run.agent.BEAT_S`; a
-  slot whose counter has not moved for ``--node-timeout`` is lost: the coordinator aborts
-  the running generation and frees the slot for a replacement agent;
+* node loss: each agent bumps a counter of its own every `unbroken.run.silence.BEAT_S`,
+  on a thread of its own. The coordinator reads every counter in one request every
+  50 ms; an agent silent for ``--ping-after`` (0.4 s) is pinged, and its node is lost if
+  the ping is not answered within ``--answer-timeout`` (0.25 s): a machine that stops
+  without closing its connections (a hung kernel, a cut network, SIGSTOP) is found in
+  well under a second, while a live agent on a loaded CPU answers and stays
+  (`unbroken.run.silence`). A slot whose counter has not moved for ``--node-timeout`` is
+  lost in any case. A lost node's generation is aborted and its slot freed for a
+  replacement; its ranks and agent, should they wake up, find the slot given away and
+  leave (`unbroken.run.inprocess._fence`);
 * sooner, on a worker's word: a worker whose collective failed on a lost peer (its
   connection closed: the peer's process or machine is gone) appends its rank to
   ``unbroken/suspect-<g>``. The coordinator then pings every agent
   (``unbroken/agent-<id>/ping-<n>``, which the agent waits on and answers with a beat)
   and declares lost, after ``--suspect-timeout``, every node whose agent has not beaten
-  since and none of whose ranks reported: a dead machine is found in a fraction of a
-  second instead of the node timeout, while a live agent has the whole
-  ``--suspect-timeout`` to answer a ping that reaches it in milliseconds (and beats on
-  its own every `BEAT_S` besides);
+  since and none of whose ranks reported: a dead machine is found at once, while a live
+  agent answers a ping that reaches it in milliseconds;
 * generations: generation 0 starts once every slot has an agent; after an abort of
   generation g, generation g+1 starts once every slot again has a live agent and every
   agent of g still alive has said which of its ranks it lost (``settled``). Each agent is
@@ -51,6 +56,7 @@ from typing import Any
 from unbroken.run import contract, gate, listen
 from unbroken.run.listen import LOOPBACK
 from unbroken.run.news import Listener, announce
+from unbroken.run.silence import ANSWER_S, DEFAULT, PING_AFTER_S, Beats, Silence, Verdict, ping
 
 POLL_S = 0.02
 LOOK_S = 0.5  # at most this long between two looks at the store when nothing is announced
@@ -74,20 +80,24 @@ class Coordinator:
         store: Any,
         node_timeout: float = NODE_TIMEOUT_S,
         suspect_timeout: float = SUSPECT_TIMEOUT_S,
+        silence: Silence = DEFAULT,
     ) -> None:
         self.store = store
         self.node_timeout = node_timeout
         self.suspect_timeout = min(suspect_timeout, node_timeout)
+        self.silence = silence
         self.nnodes = 0
         self.local = 0
         self.generation = 0
         self.started = False
         self.members: dict[int, str] = {}  # slot -> agent of the running generation
-        self.beats: dict[str, tuple[int, float]] = {}  # agent -> (counter, when it moved)
+        self.beats = Beats()
+        self.watched: dict[int, str] = {}  # slot -> agent, from the last look: beats read
+        self.felt = -math.inf  # when the beats were read last
         self.aborted = False
         self.suspected: float | None = None  # when a worker of this generation reported
         # Between announcements (`unbroken.run.news`), look at the slots only every
-        # look_s: a silent node is then found within node_timeout + look_s.
+        # look_s; the beats are read every silence.look_s (`_feel`).
         self.news: Listener | None = None
         self.look_s = min(LOOK_S, node_timeout / 4)
         self.looked = -math.inf
@@ -96,6 +106,9 @@ class Coordinator:
         """Look at the store if something was announced, a start or a recovery is under
         way, or `look_s` passed; False once every node reported its ranks done."""
         now = time.monotonic()
+        if self.watched and now - self.felt >= self.silence.look_s:
+            self.felt = now
+            self._feel(now)
         busy = not self.started or self.aborted or self.suspected is not None
         changed = self.news is not None and self.news.take()
         if not (changed or busy or now - self.looked >= self.look_s):
@@ -143,15 +156,37 @@ class Coordinator:
             if not self.store.check([key]) or self.store.check([self._key(slot, "done")]):
                 continue
             agent = self.store.get(key).decode()
-            count = int(self.store.add(contract.agent_beat_key(agent), 0))
-            last = self.beats.get(agent)
-            if last is None or last[0] != count:
-                self.beats[agent] = (count, now)
-            elif now - last[1] > self.node_timeout:
-                self._lose(slot, agent, f"silent for {now - last[1]:.1f} s")
+            self.beats.saw(agent, int(self.store.add(contract.agent_beat_key(agent), 0)), now)
+            if now - self.beats.moved(agent) > self.node_timeout:
+                self._lose(slot, agent, f"silent for {now - self.beats.moved(agent):.1f} s")
                 continue
             owners[slot] = agent
+        self.watched = dict(owners)
         return owners
+
+    def _feel(self, now: float) -> None:
+        """Read every watched agent's beat (one request): ping the silent ones, lose
+        those that did not answer their ping (`unbroken.run.silence`)."""
+        watched = list(self.watched.items())
+        counts = self.store.multi_get([contract.agent_beat_key(a) for _, a in watched])
+        for (slot, agent), count in zip(watched, counts, strict=True):
+            if (silent := self.beats.saw(agent, int(count), now)) is not None:
+                log(f"node {slot} (agent {agent}) answered a ping after {silent:.2f} s silent")
+            verdict = self.beats.judge(self.silence, agent, now)
+            if verdict is Verdict.PING:
+                ping(self.store, agent)
+                self.beats.pinged(agent, now)
+            elif verdict is Verdict.LOST and self._holds(slot, agent):
+                why = f"silent for {now - self.beats.moved(agent):.2f} s and did not answer a ping"
+                self._lose(slot, agent, f"{why} within {self.silence.answer_s:g} s")
+
+    def _holds(self, slot: int, agent: str) -> bool:
+        """Whether ``agent`` still holds ``slot`` and is not done (an agent stops beating
+        just before it says its node is done)."""
+        owner, done = self._key(slot, "owner"), self._key(slot, contract.DONE_SUFFIX)
+        if self.store.check([done]) or not self.store.check([owner]):
+            return False
+        return bool(self.store.get(owner).decode() == agent)
 
     def _suspect(self, owners: dict[int, str], now: float) -> None:
         """Act on workers' reports of a lost peer in the running generation: ping every
@@ -168,14 +203,15 @@ class Coordinator:
         ranks = self.store.get(key).decode().split(",")
         reported = {int(r) // self.local for r in ranks if r.strip()}
         for slot, agent in owners.items():
-            if slot not in reported and self.beats[agent][1] <= self.suspected:
+            if slot not in reported and self.beats.moved(agent) <= self.suspected:
                 why = f"did not answer within {self.suspect_timeout:g} s after a peer was lost"
                 self._lose(slot, agent, why)
 
     def _lose(self, slot: int, agent: str, why: str) -> None:
         log(f"node {slot} (agent {agent}) {why}: lost; slot {slot} is free")
         self.store.delete_key(self._key(slot, "owner"))
-        self.beats.pop(agent, None)
+        self.beats.forget(agent)
+        self.watched.pop(slot, None)
         if self.started:
             failed = list(range(slot * self.local, (slot + 1) * self.local))
             reason = {"failed": failed, "node": slot, "hang": False, "lost": why}
@@ -219,12 +255,6 @@ class Coordinator:
         )
 
 
-def ping(store: Any, agent: str) -> None:
-    """Ask ``agent`` to beat at once (`unbroken.run.agent.NodeAgent` waits for it)."""
-    counter = f"{contract.AGENT_PREFIX}{agent}/{contract.PING_SUFFIX}"
-    store.set(f"{counter}-{int(store.add(counter, 1))}", "")
-
-
 def serve(
     host: str,
     port: int,
@@ -232,6 +262,7 @@ def serve(
     suspect_timeout: float,
     exit_when_done: bool,
     secret: bytes | None,
+    silence: Silence = DEFAULT,
 ) -> int:
     """Host the job's store on ``host:port``: behind a `gate.Gate` if the job has a
     ``secret`` (the store itself then listens on loopback only), else directly."""
@@ -243,7 +274,7 @@ def serve(
         local, listening = LOOPBACK, gate.Gate(host, port, store.port, secret).port
     store.add(contract.GENERATION_KEY, 0)
     print(f"unbroken coordinator: listening on {host}:{listening}", flush=True)
-    coordinator = Coordinator(store, node_timeout, suspect_timeout)
+    coordinator = Coordinator(store, node_timeout, suspect_timeout, silence)
     coordinator.news = Listener(local, store.port)
     stop = threading.Event()
 
@@ -268,7 +299,7 @@ def serve(
     return 0
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="unbroken coordinator",
         description="The store of a multi-node `unbroken run --in-process` job: run it "
@@ -294,12 +325,38 @@ def main(argv: list[str]) -> int:
         "and change the job's store",
     )
     p.add_argument("--port", type=int, default=29400, help="TCP port (0: any free one)")
+    timing(p)
+    p.add_argument(
+        "--exit-when-done",
+        action="store_true",
+        help="exit once every node finished and every standby saw it (default: serve)",
+    )
+    return p
+
+
+def timing(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--node-timeout",
         type=float,
         default=NODE_TIMEOUT_S,
         metavar="SECONDS",
-        help=f"a node agent silent this long is lost (default {NODE_TIMEOUT_S:g})",
+        help=f"a node agent silent this long is lost, ping or not (default {NODE_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--ping-after",
+        type=float,
+        default=PING_AFTER_S,
+        metavar="SECONDS",
+        help="a node agent whose heartbeat is silent this long is pinged, and lost if it "
+        f"does not answer within --answer-timeout (default {PING_AFTER_S:g})",
+    )
+    p.add_argument(
+        "--answer-timeout",
+        type=float,
+        default=ANSWER_S,
+        metavar="SECONDS",
+        help="how long a silent node agent has to answer the coordinator's ping (default "
+        f"{ANSWER_S:g}); raise it for agents starved of CPU",
     )
     p.add_argument(
         "--suspect-timeout",
@@ -309,14 +366,17 @@ def main(argv: list[str]) -> int:
         help="once a worker reports a lost peer, a node whose agent does not answer the "
         f"coordinator's ping this long is lost (default {SUSPECT_TIMEOUT_S:g})",
     )
-    p.add_argument(
-        "--exit-when-done",
-        action="store_true",
-        help="exit once every node finished and every standby saw it (default: serve)",
-    )
+
+
+def main(argv: list[str]) -> int:
+    p = parser()
     a = p.parse_args(argv)
     if a.node_timeout <= 0 or a.suspect_timeout <= 0:
         p.error("--node-timeout and --suspect-timeout must be positive")
+    try:
+        silence = Silence(ping_after_s=a.ping_after, answer_s=a.answer_timeout)
+    except ValueError as e:
+        p.error(f"--ping-after {a.ping_after:g}, --answer-timeout {a.answer_timeout:g}: {e}")
     try:
         secret = gate.job_secret(a.secret_file)
     except (gate.GateError, OSError) as e:
@@ -327,7 +387,9 @@ def main(argv: list[str]) -> int:
             f"and change the job's store: set ${gate.SECRET_ENV} (`openssl rand -hex 32`, "
             "the same on every node) or --secret-file, or pass --insecure"
         )
-    return serve(a.host, a.port, a.node_timeout, a.suspect_timeout, a.exit_when_done, secret)
+    return serve(
+        a.host, a.port, a.node_timeout, a.suspect_timeout, a.exit_when_done, secret, silence
+    )
 
 
 if __name__ == "__main__":

@@ -111,9 +111,8 @@ def in_process(train: Callable[[], T], *, timeout_s: float = 60.0, wait_s: float
     # failure (`_abandon`) scans only the failed generation's objects (ms, not ~0.6 s).
     gc.freeze()
     while True:
-        # Events and heartbeats carry the generation as the attempt; the first step of
-        # each generation is reported again.
-        worker.new_attempt(generation)
+        _fence(store, generation, rank)
+        worker.new_attempt(generation)  # events carry it; its first step is reported again
         worker.event("init_start", generation=generation)
         abort.begin(generation)
         watcher.watch(generation)
@@ -148,6 +147,29 @@ def in_process(train: Callable[[], T], *, timeout_s: float = 60.0, wait_s: float
         return result
 
 
+def _fence(store: Any, generation: int, rank: int) -> None:
+    """Leave, before joining ``generation``, if this rank's node was declared lost: its
+    agent no longer holds the node's slot (a node stopped, as a hung kernel or a cut
+    network stops it, and woke up after the coordinator gave its ranks to a replacement).
+    Joining would put two processes on one rank. ``generation`` was read before the
+    slot: a generation that replaced this node was started after its slot was freed."""
+    agent, node = os.environ.get(contract.AGENT_ENV), os.environ.get(contract.NODE_ENV)
+    if not agent or not node:
+        return  # one machine: the supervisor's own ranks
+    key = contract.slot_key(int(node), "owner")
+    try:
+        holder = store.get(key).decode() if store.check([key]) else None
+    except Exception:
+        return  # the store is gone: joining finds out and says so
+    if holder != agent:
+        raise SystemExit(
+            f"unbroken: rank {rank} leaves: its node {node} was declared lost (it was "
+            f"silent too long) and the coordinator gave the node's ranks to another agent "
+            f"for generation {generation}; this machine must not rejoin the job. If it "
+            "was only slow, raise the coordinator's --ping-after or --answer-timeout"
+        )
+
+
 def _report(store: Any, generation: int, rank: int) -> None:
     """Tell the store that this rank saw a peer vanish in ``generation``: across nodes,
     the coordinator then finds a lost node by ping instead of waiting out its node
@@ -167,10 +189,13 @@ def _join(generation: int, rank: int, world: int, timeout_s: float) -> None:
     rank out of the next generation until the ranks waiting there had timed out."""
     import torch.distributed as dist
 
+    from unbroken.job import comm
+
     with abort.tracking():
         store = _connect(timeout_s)
     abort.check(f"joining generation {generation}")  # aborted before the connection counted
-    with abort.tracking():
+
+    def create() -> Any:
         dist.init_process_group(
             "gloo",
             store=dist.PrefixStore(f"{contract.GENERATION_PREFIX}{generation}", store),
@@ -178,6 +203,9 @@ def _join(generation: int, rank: int, world: int, timeout_s: float) -> None:
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
         )
+        return dist.group.WORLD
+
+    comm.gloo_group(create)  # lazy: O(world) store requests, not the eager mesh's O(world²)
 
 
 class AbortWatcher(threading.Thread):

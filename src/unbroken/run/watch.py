@@ -148,10 +148,10 @@ class Watch:
                 continue
             if not alive(pid):
                 self.seen_exit.add(pid)
+                step = self._last_step(pid, step)
                 self.timeline.add(
                     "worker_exit",
-                    f"rank {rank} (pid {pid}, attempt {attempt}) exited; "
-                    f"last heartbeat at step {step}",
+                    f"rank {rank} (pid {pid}, attempt {attempt}) exited after step {step}",
                     rank=rank,
                     pid=pid,
                     step=step,
@@ -167,6 +167,15 @@ class Watch:
                 stale.append(Stale(step, t, rank, pid))
         if stale and time.monotonic() - self.last_kill > self.timeout:
             self.hooks.on_hang(stale, now)
+
+    def _last_step(self, pid: int, beat_step: int) -> int:
+        """The last step an exited ``pid`` reached. Heartbeats are written at most every
+        0.2 s, so the last one can be steps behind a rank that went on to finish; the
+        step spans it flushed as it exited (read now: after this poll's first read) say
+        where it ended."""
+        self.read_events()
+        spans_step, _ = self.timeline.last_step.get(pid, (beat_step, 0.0))
+        return max(beat_step, spans_step)
 
     def shutting_down(self, pid: int, beat: float, now: float) -> bool:
         """Whether ``pid`` closed its Checkpointer after its last beat, not too long ago:

@@ -5,6 +5,7 @@ at interpreter exit.
 
     pipeline    `stage()` in the caller's thread, `persist()` in the background
     staging     `Stager`: a reusable, bounded host copy of the state
+    planning    `Planner`: rank 0 plans the save, every other rank gets its own part
     checksums   a save's blocks and their checksums, each hashed where it costs least
     claims      which writer is saving a step not yet committed
     committed   `Collector`: the committed steps in memory, deletions in the background

@@ -54,10 +54,11 @@ def layout(staged: Staged) -> list[Block]:
     ]
 
 
-def shared(blocks: list[Block], by_rank: list[list[Block]]) -> list[str]:
-    """The keys of ``blocks`` whose region another rank holds too: hashed before the plan."""
+def shared(by_rank: list[list[Block]]) -> list[list[str]]:
+    """Per rank, the keys of its blocks whose region another rank holds too: hashed
+    before the plan. One pass over every block (rank 0's, for every rank)."""
     held = Counter((b.key, b.offsets) for rank_blocks in by_rank for b in rank_blocks)
-    return [b.key for b in blocks if held[b.key, b.offsets] > 1]
+    return [[b.key for b in blocks if held[b.key, b.offsets] > 1] for blocks in by_rank]
 
 
 def checksums(

@@ -2,9 +2,11 @@
 
 Persisting is collective. Its phases, each ending with every rank agreeing:
 
-1. agree on the step (or on skipping it) and on every rank's blocks, then hash the blocks
-   another rank holds too (the plan writes a replicated block once, by checksum) and
-   compare the copies of replicated state (`unbroken.sdc`);
+1. rank 0 gets every rank's blocks and agrees the step (or skipping it); each rank
+   hashes the blocks rank 0 says another rank holds too (the plan writes a replicated
+   block once, by checksum); rank 0 makes the plan, compares the copies of replicated
+   state (`unbroken.sdc`) and sends each rank the keys it writes, and nothing else
+   (`unbroken.saving.planning`);
 2. write: each rank writes the blocks the plan gives it and makes them durable, hashing
    those it alone holds meanwhile (`unbroken.saving.checksums`);
 3. commit: rank 0 writes the manifest atomically. Only now does the step exist.
@@ -25,19 +27,18 @@ import torch
 from unbroken.errors import CheckpointError, StorageError
 from unbroken.format.blockio import run_all
 from unbroken.format.directory import Directory
-from unbroken.format.layout import Manifest, step_dir
+from unbroken.format.layout import step_dir
 from unbroken.format.shards import local_block, write_blocks
-from unbroken.format.write_plan import Block, WritePlan, make_plan
 from unbroken.job import abort
 from unbroken.job.comm import Comm
-from unbroken.job.gc_paused import building
 from unbroken.retention import Info
 from unbroken.run import faults, worker
 from unbroken.saving import claims
-from unbroken.saving.checksums import Sums, checksums, layout, shared, with_checksums
+from unbroken.saving.checksums import Sums, checksums, layout
 from unbroken.saving.committed import INFO, Collector
+from unbroken.saving.planning import Planner, refused
 from unbroken.saving.staging import Arena
-from unbroken.sdc import Known, Replicated, guard
+from unbroken.sdc import Known, Replicated
 from unbroken.state import capture
 
 log = logging.getLogger("unbroken")
@@ -143,43 +144,36 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
     started = time.perf_counter()
     comm, step = ctx.comm, staged.step
     what = f"saving step {step}"
-    rows = comm.gathered(what, lambda: explained(ctx, what, lambda: _layout(staged)))
-    if skippers := [rank for rank, row in enumerate(rows) if row[1]]:
-        if comm.rank == 0:
-            log.warning(
-                "step %d skipped: the previous save was still persisting on ranks %s",
-                step,
-                skippers,
-            )
+    # Rank 0 plans (`unbroken.saving.planning`): the others send their blocks and get
+    # back only what they hash first, then what they write.
+    planner = Planner(step=step, replicated=ctx.replicated, storage=ctx.directory.storage)
+    refusal, skip, early = comm.planned(
+        what, lambda: explained(ctx, what, lambda: _layout(staged)), planner.layout
+    )
+    refused(refusal)
+    if skip:
         return False
-    steps = [row[0] for row in rows]
-    if len(set(steps)) > 1:
-        raise CheckpointError(
-            f"ranks disagree on the step to save: {dict(enumerate(steps))}; "
-            "every rank must call save() with the same step"
-        )
-    with building():  # every rank's blocks: tens of thousands at scale
-        by_rank = [[Block.from_json(b) for b in row[2]] for row in rows]
-        early = shared(by_rank[comm.rank], by_rank)
-    sums = comm.gathered(what, lambda: explained(ctx, what, lambda: _hash(ctx, staged, early)))
-    with building():
-        plan = make_plan(by_rank := with_checksums(by_rank, sums))
+    sums: Sums = {}  # this rank's early checksums: the plan's, and its own to write
+
+    def hashed() -> Sums:
+        sums.update(_hash(ctx, staged, early))
+        return sums
+
+    refusal, writes = comm.planned(what, lambda: explained(ctx, what, hashed), planner.writes)
+    refused(refusal)
     writing.append(True)
-    known = [row[3] if len(row) > 3 else [] for row in rows]  # indices into each rank's blocks
-    guard(ctx.replicated, comm.rank, ctx.directory.storage, step, by_rank, known)
     info = Info(step, time.time(), staged.metric)
-    gathered = comm.gathered(
+    comm.planned(
         f"writing step {step}",
         lambda: explained(
-            ctx, f"writing step {step}", lambda: _write(ctx, staged, plan, sums[comm.rank], info)
+            ctx, f"writing step {step}", lambda: _write(ctx, staged, writes, sums, info)
         ),
+        planner.wrote,
     )
     faults.point("data-written")
     comm.together(
         f"committing step {step}",
-        lambda: explained(
-            ctx, f"committing step {step}", lambda: _commit(ctx, info, plan, gathered)
-        ),
+        lambda: explained(ctx, f"committing step {step}", lambda: _commit(ctx, info, planner)),
     )
     faults.point("committed")
     if comm.rank == 0:
@@ -188,7 +182,7 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
             ctx.directory.move_latest(step)
         except Exception as e:  # the step is committed; restore finds it by listing
             log.warning("step %d is committed but the latest pointer did not move: %s", step, e)
-        written = sum(size for row in gathered for size in row[1].values())
+        written = sum(size for row in planner.written for size in row[1].values())
         seconds = time.perf_counter() - started
         log.info("saved step %d: %.1f MiB in %.2f s", step, written / 2**20, seconds)
     return True
@@ -251,13 +245,14 @@ def _hash(ctx: SaveContext, staged: Staged, keys: list[str]) -> Sums:
 
 
 def _write(
-    ctx: SaveContext, staged: Staged, plan: WritePlan, hashed: Sums, info: Info
+    ctx: SaveContext, staged: Staged, writes: list[str], hashed: Sums, info: Info
 ) -> list[Any]:
-    """Write this rank's blocks of the plan; meanwhile hash those not ``hashed`` yet (the
-    blocks this rank alone holds) and, on rank 0, write the step's info. Returns where
-    the blocks went, the files' sizes, this rank's tree and the late checksums."""
+    """Write the blocks of ``writes`` (this rank's part of the plan); meanwhile hash those
+    not ``hashed`` yet (the blocks this rank alone holds) and, on rank 0, write the step's
+    info. Returns where the blocks went, the files' sizes, this rank's tree and the late
+    checksums."""
     rank, storage, folder = ctx.comm.rank, ctx.directory.storage, step_dir(info.step)
-    mine = set(plan.writes[rank])
+    mine = set(writes)
     blocks = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
     later = [k for k, _ in blocks if k not in hashed]
     text = json.dumps({"created": info.created, "metric": info.metric}).encode()
@@ -272,35 +267,13 @@ def _write(
     return [*out["where"], staged.tree, out["sums"]]
 
 
-def _commit(ctx: SaveContext, info: Info, plan: WritePlan, gathered: list[Any]) -> None:
+def _commit(ctx: SaveContext, info: Info, planner: Planner) -> None:
     """On rank 0, once the step's claim is found still ours: the manifest, from the plan
     and where every rank wrote its blocks and their late checksums."""
     if ctx.comm.rank != 0:
         return
-    step = info.step
-    claims.verify(ctx.directory.storage, ctx.directory.path, step)
-    files: dict[str, int] = {}
-    trees: list[dict[str, Any]] = []
-    rank_objects: list[int] = []
-    for rank, (where, rank_sizes, rank_tree, sums) in enumerate(gathered):
-        files.update(rank_sizes)
-        for key, (file, start, end) in where.items():
-            chunk = plan.chunk_of[rank, key]
-            chunk.file, chunk.start, chunk.end = file, start, end
-            for name, value in sums.get(key, {}).items():  # hashed while it was written
-                setattr(chunk, name, value)  # `format.Checksums`' fields are `Chunk`'s
-        if rank_tree not in trees:
-            trees.append(rank_tree)
-        rank_objects.append(trees.index(rank_tree))
-    manifest = Manifest(
-        step=step,
-        world_size=ctx.comm.world_size,
-        created=info.created,
-        tensors=plan.tensors,
-        objects=trees,
-        rank_objects=rank_objects,
-        files=files,
-    )
+    claims.verify(ctx.directory.storage, ctx.directory.path, info.step)
+    manifest = planner.manifest(ctx.comm.world_size, info.created)
     ctx.directory.commit(manifest)
 
 

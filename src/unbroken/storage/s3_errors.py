@@ -118,6 +118,12 @@ def s3_error(
             f"{elapsed:.1f} s (timeout={options.timeout:g} s a request, retry_timeout="
             f"{options.retry_timeout:g} s, max_retries={options.max_retries}): {hint}"
         )
+    if "builder error" in reason:  # obstore could not make a request URL of the endpoint
+        reason += (
+            f" (no valid request URL comes of the endpoint {endpoint} and bucket {bucket!r}: "
+            "give the endpoint as http(s)://HOST[:PORT], as the storage option endpoint, "
+            "AWS_ENDPOINT_URL or unbroken's --endpoint)"
+        )
     if no_such_bucket(error):
         reason += f" (the endpoint {endpoint} has no bucket {bucket!r}: create it, or fix the URI)"
     took = f" (after {elapsed:.1f} s)" if elapsed >= 0.1 else ""

@@ -51,6 +51,8 @@ class S3Options:
             raise ValueError(f"concurrency={self.concurrency}: at least one request at a time")
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ValueError("give both access_key_id and secret_access_key, or neither")
+        if self.endpoint and (problem := endpoint_problem(self.endpoint)):
+            raise ValueError(f"endpoint {self.endpoint!r} {problem}")
         if self.endpoint and not self.allow_http and _plain_remote(self.endpoint):
             raise ValueError(
                 f"endpoint {self.endpoint} is plain HTTP to a host that is not this machine: "
@@ -94,6 +96,8 @@ def with_environment(options: S3Options) -> S3Options:
     if not found:
         return options
     name, endpoint = found[0]
+    if problem := endpoint_problem(endpoint):
+        raise CheckpointError(f"{name}={endpoint} {problem}")
     allow = os.environ.get(ALLOW_HTTP_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     if _plain_remote(endpoint) and not allow:
         raise CheckpointError(
@@ -103,6 +107,24 @@ def with_environment(options: S3Options) -> S3Options:
             "that is what you want"
         )
     return replace(options, endpoint=endpoint, allow_http=options.allow_http or allow)
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with ``endpoint`` as a URL, or None. Without a scheme, obstore's
+    HTTP client fails with "builder error" (or panics), which names nothing to fix."""
+    try:
+        parts = urlsplit(endpoint)
+        if parts.scheme.lower() in ("http", "https") and parts.hostname:
+            parts.port  # noqa: B018  (raises ValueError for a port out of range)
+            return None
+    except ValueError as e:  # a malformed IPv6 address, a port out of range...
+        if "port" in str(e).lower():
+            return "has no valid port: give one from 1 to 65535, or none"
+    host = endpoint.split("://")[-1].strip("/") or "HOST:PORT"
+    return (
+        f"is not an http:// or https:// URL: write it as https://{host} "
+        f"(or http://{host} for a server on this machine)"
+    )
 
 
 def path_style_by_default(endpoint: str | None) -> bool:
