@@ -207,7 +207,7 @@ def test_a_failure_the_snapshot_waited_for_is_raised_before_a_slot_is_overwritte
     gate.set()
     waiting.join(30)
     assert [str(e) for e in errors] == [
-        "the background save of step 2 failed: the disk under the slot went away"
+        "the snapshot of step 2 failed: the disk under the slot went away"
     ]
     assert copied == [] and sorted(memory.own.whole()) == [1]
     ckpt.close()

@@ -113,7 +113,7 @@ class Checkpointer:
         # every rank, on the checkpointer's own group, never the training loop's.
         self._worker = SaveThread()
         self._pending: list[PendingSave] = []
-        self._failure: tuple[int, BaseException] | None = None
+        self._failure: tuple[int, BaseException, str] | None = None  # step, error, what
         self._lock = threading.Lock()
         self._closed = False
         # The last `restore`'s step and each rank's origin (None: none, or nothing found).
@@ -225,7 +225,7 @@ class Checkpointer:
             if background and not self._closed:  # abandoned: nobody is told any more
                 log.error("saving step %d failed: %s", staged.step, e)
                 with self._lock:
-                    self._failure = (staged.step, e)
+                    self._failure = (staged.step, e, "the background save")
             raise
         finally:
             if staged.arena is not None:
@@ -242,8 +242,8 @@ class Checkpointer:
             failure, self._failure = self._failure, None
         if failure is None:
             return
-        step, error = failure
-        message = f"the background save of step {step} failed: {error}"
+        step, error, what = failure
+        message = f"{what} of step {step} failed: {error}"
         if self.on_error == "warn":
             warnings.warn(f"{message}; training goes on", stacklevel=3)
             return
@@ -292,7 +292,7 @@ class Checkpointer:
         if not self._closed:
             log.error("the snapshot of step %d failed: %s", step, error)
         with self._lock:
-            self._failure = (step, error)
+            self._failure = (step, error, "the snapshot")
 
     def step(self, step: int, state: Mapping[str, Any]) -> None:
         """Declare ``state`` complete at ``step``: call it after each optimizer step,
