@@ -4,7 +4,8 @@ limits measured in the same run, on the same state as bench/save_load.py.
 
     python bench/async_save.py                                  # 2 ranks x 512 MiB, 5 repeats
     python bench/async_save.py --mib-per-rank 32 --repeats 2    # smoke, well under a minute
-    python bench/async_save.py --sdc-off    # unbroken without its default replica check
+    python bench/async_save.py --sdc-off    # without the replica check (this state has
+                                            # no replicated part: bench/sdc_cost.py)
 
 Four questions, each answered per rank and reported for the slowest rank:
 
