@@ -35,7 +35,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -139,22 +139,26 @@ class Comm:
         where `together` and `all_gather` would take two."""
         return self._exchange(what, fn, share=True)[1]
 
-    def _exchange(self, what: str, fn: Callable[[], T], share: bool) -> tuple[T, list[T]]:
-        error: BaseException | None = None
+    def _attempt(self, fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+        """``fn()``, or its error, kept for the exchange that tells the other ranks;
+        raised at once if it lost a peer (then no exchange could succeed)."""
         try:
             with self.wire():
-                result = fn()
+                return fn(), None
         except Exception as e:
-            error = e
             if self.lost is not None:
                 raise
+            return None, e
+
+    def _exchange(self, what: str, fn: Callable[[], T], share: bool) -> tuple[T, list[T]]:
+        result, error = self._attempt(fn)
         shared = result if share and error is None else None
         rows = self.all_gather([None if error is None else str(error), shared])
         if error is not None:
             raise error
         if failures := [f"rank {r}: {e}" for r, (e, _) in enumerate(rows) if e is not None]:
             raise CheckpointError(f"{what} failed on another rank: {'; '.join(failures)}")
-        return result, [row[1] for row in rows]
+        return cast(T, result), [row[1] for row in rows]
 
     def close(self) -> None:
         """Release the group, the ranks agreeing to first (bounded by `CLOSE_WAIT_S`).
@@ -223,15 +227,7 @@ class Comm:
         rank 0 gets the results and runs ``plan`` on them (one part per rank), and each
         rank returns its own part. A failure of ``fn`` on any rank, or of ``plan``, raises
         on every rank as `together`'s does."""
-        error: BaseException | None = None
-        result: T | None = None
-        try:
-            with self.wire():
-                result = fn()
-        except Exception as e:
-            error = e
-            if self.lost is not None:
-                raise
+        result, error = self._attempt(fn)
         rows = self.gather([None if error is None else str(error), result])
         parts: list[Any] | None = None
         if rows is not None:
