@@ -17,7 +17,7 @@ restore's metadata are made. The phases, what runs and what is simulated:
   `ProcessGroupGloo`s on real store connections, ``n`` threads; projected over 2,304
   ranks (file descriptors);
 - step agreement, heal plan, save plan, manifest validation (bench/scale_metadata.py):
-  `step_choice._in_memory`, `healing.live.plan` on rank 0 with every rank's rows; the
+  `step_choice._in_memory`, `healing.plan.plan` on rank 0 with every rank's rows; the
   save's `saving.planning.Planner` on rank 0 (its time beside the phase's) and a
   non-planning rank's rows and parts; a restore rank's part of the manifest checked
   (`format.layout.parse`) and the manifest built; simulated: the transport (messages

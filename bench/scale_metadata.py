@@ -4,7 +4,7 @@ plan, manifest validation. Each runs unbroken's own code on one rank, with every
 rank's part of each exchange made up front, untimed, as those ranks would send it.
 
 What is real: `unbroken.restoring.step_choice._in_memory` (the step every rank can get
-from shared memory, and who holds each lost rank's copy) and `unbroken.healing.live.plan`
+from shared memory, and who holds each lost rank's copy) and `unbroken.healing.plan.plan`
 with `unbroken.healing.messages` checking the gathered rows and digests, on rank 0 (the
 busiest: it also picks the step); the save's metadata as `unbroken.saving.pipeline`
 makes it in its three `Comm.planned` exchanges: rank 0's `unbroken.saving.planning.Planner`
@@ -37,7 +37,7 @@ from typing import Any
 from metadata import COLS, ROWS, SHARD
 from unbroken.format.layout import Manifest, parse
 from unbroken.format.write_plan import Block
-from unbroken.healing import live, messages
+from unbroken.healing import live, messages, plan
 from unbroken.job import gc_paused
 from unbroken.restoring import step_choice
 from unbroken.saving.planning import Planner
@@ -138,7 +138,7 @@ def heal_plan(world: int) -> tuple[float, int]:
     comm = Gathered(world, tables)
     gc.collect()
     start = clock()
-    chosen = live.plan(messages.rows(comm.all_gather(rows[0]), world))
+    chosen = plan.plan(messages.rows(comm.all_gather(rows[0]), world))
     if chosen is None or len(chosen.source) != LOCAL:
         raise AssertionError(f"heal plan: no plan for the {LOCAL} lost ranks")
     digests = messages.digests(comm.all_gather([digest, None]), world)

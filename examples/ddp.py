@@ -56,24 +56,32 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _peer_lost(error: BaseException | None) -> bool:
-    """Whether ``error`` or its cause says another rank died: the checkpointer's group
-    lost a peer, or a collective of the training step found its connection closed."""
+# How gloo says that the other end of a connection is gone: the training step's own
+# collectives (DDP's all-reduce) raise its RuntimeError as it is, gloo's whole text.
+GONE = ("connection closed", "connection reset", "broken pipe", "read error", "write error")
+
+
+def _peer_lost(error: BaseException | None) -> str | None:
+    """Where ``error``, or what caused it, says another rank died: the checkpointer's
+    group lost a peer (`PeerLostError`), or a collective of the training step found its
+    connection gone; None if nothing in it does (a bug: its traceback is wanted)."""
     while error is not None:
-        if isinstance(error, PeerLostError | dist.DistBackendError):
-            return True
-        error = error.__cause__
-    return False
+        if isinstance(error, PeerLostError):
+            return "checkpointing"
+        if isinstance(error, RuntimeError) and any(w in str(error).lower() for w in GONE):
+            return "a training collective"
+        error = error.__cause__ or error.__context__
+    return None
 
 
 if __name__ == "__main__":
     try:
         main()
-    except (unbroken.CheckpointError, dist.DistBackendError) as e:
-        if not _peer_lost(e):
+    except (unbroken.CheckpointError, RuntimeError) as e:
+        where = _peer_lost(e)
+        if where is None:
             raise
         # Another rank died: this attempt is over, as expected. One line, not a traceback.
         rank = os.environ.get("RANK", "?")
-        why = type(e.__cause__ or e).__name__
-        print(f"rank {rank}: lost a peer ({why}); exiting for `unbroken run` to restart all ranks")
+        print(f"rank {rank}: lost a peer in {where}; exiting for `unbroken run` to restart all")
         raise SystemExit(1) from None

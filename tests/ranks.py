@@ -31,7 +31,7 @@ def _worker(
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
-            timeout=timedelta(seconds=30),
+            timeout=timedelta(seconds=60),  # also how long a rank waits for rank 0 to start
         )
         queue.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 
 from ranks import run_ranks
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, PeerLostError
 from unbroken.job import abort
 
 GROUP_TIMEOUT_S = 60  # what the stuck operations would otherwise wait
@@ -244,7 +244,7 @@ def _group_used_after_losing_a_peer(rank: int, world: int) -> dict[str, object]:
     assert comm.all_gather(rank) == [0, 1]
     if rank == 1:
         os._exit(0)  # gone, its sockets closed by the kernel
-    with pytest.raises(RuntimeError):
+    with pytest.raises(PeerLostError, match="lost a peer: another rank is gone"):
         comm.all_gather("lost")
     started = time.monotonic()
     with pytest.raises(CheckpointError, match="lost a peer earlier"):

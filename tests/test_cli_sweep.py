@@ -219,13 +219,19 @@ def _run(*argv: str, **kw: object) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_help_starts_without_torch() -> None:
+@pytest.mark.parametrize("command", ["--help", "ls", "show", "verify"])
+def test_reading_commands_start_without_torch(command: str, place: Path) -> None:
+    """The commands of the first hour import neither torch nor numpy (seconds of start-up
+    each): help, and reading a checkpoint, down to every checksum."""
+    argv = [command] if command == "--help" else [command, str(place / "run")]
     probe = (
-        "import sys; from unbroken.cli.main import main; main(['--help']); "
-        "sys.stderr.write(str(sorted(m for m in ('torch', 'numpy', 'rich') if m in sys.modules)))"
+        f"import sys; from unbroken.cli.main import main; code = main({argv!r}); "
+        "sys.stderr.write(str(sorted(m for m in ('torch', 'numpy') if m in sys.modules))); "
+        "sys.exit(code)"
     )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stderr.strip() == "[]", proc.stderr
+    assert command == "--help" or "10" in proc.stdout  # the newest step, listed
 
 
 @pytest.mark.timeout(120)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from unbroken import Checkpointer, CorruptCheckpointError
+from unbroken.format.audit import verify
 from unbroken.format.directory import Directory
 from unbroken.format.layout import LATEST, MANIFEST, step_dir
-from unbroken.format.offline import verify
 from unbroken.storage import open_storage
 
 SHARD = "r00000-000.safetensors"

@@ -18,8 +18,11 @@ import unbroken
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-def run(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> str:
-    """Run ``python ARGV`` to the end; its stdout (its stderr in the failure message)."""
+def run(
+    *argv: str, env: dict[str, str] | None = None, timeout: float = 60, stderr: bool = False
+) -> str:
+    """Run ``python ARGV`` to the end; its stdout (its stderr in the failure message), and
+    with ``stderr``, its stderr after it."""
     proc = subprocess.run(
         [sys.executable, *argv],
         capture_output=True,
@@ -28,11 +31,13 @@ def run(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> s
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
     assert proc.returncode == 0, f"{argv}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    return proc.stdout + (proc.stderr if stderr else "")
 
 
-def launch(tmp: Path, *options: str, script: str, args: list[str]) -> tuple[str, dict]:
-    """`unbroken run OPTIONS examples/SCRIPT ARGS`: its stdout and timeline."""
+def launch(
+    tmp: Path, *options: str, script: str, args: list[str], stderr: bool = False
+) -> tuple[str, dict]:
+    """`unbroken run OPTIONS examples/SCRIPT ARGS`: its stdout (and stderr) and timeline."""
     timeline = tmp / "timeline.json"
     out = run(
         "-m",
@@ -42,6 +47,7 @@ def launch(tmp: Path, *options: str, script: str, args: list[str]) -> tuple[str,
         *options,
         str(EXAMPLES / script),
         *args,
+        stderr=stderr,
     )
     return out, json.loads(timeline.read_text())
 
@@ -98,7 +104,10 @@ def test_ddp_example_recovers_a_killed_rank_from_memory(tmp_path):
         f"--inject-fault={fault}",
         script="ddp.py",
         args=[f"--dir={tmp_path / 'ckpt'}", "--steps=10", "--save-every=5"],
+        stderr=True,
     )
+    # The surviving rank says in one line that it lost a peer: no traceback, no gloo text.
+    assert "Traceback" not in out and "GLHF" not in out, out
     [recovery] = timeline["recoveries"]
     # Storage holds step 5 at most. Snapshot 7 returned once step 6 was published; step 7
     # is too unless its checksum was still running when the kill came: memory, 6 or 7.

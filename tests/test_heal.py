@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from unbroken.errors import CheckpointError
-from unbroken.healing import live, records
+from unbroken.healing import live, plan, records
 from unbroken.healing.records import Record
 from unbroken.state import capture
 
@@ -144,6 +144,28 @@ def test_a_rank_lost_at_any_moment_of_a_step_costs_no_step(
     assert rec["steps_redone"] == 0, rec
 
 
+@pytest.mark.timeout(120)
+def test_survivors_split_by_a_peer_lost_in_the_barrier_are_rolled_forward(tmp_path, reference):
+    """Rank 3 dies in step 9's barrier, which completes on ranks 0 and 2 and fails on
+    rank 1 (gloo's barrier can; `train_job.py --split-barrier` makes rank 1 the one it
+    fails on, and the fault kills rank 3 just past it). Ranks 0 and 2 apply step 9, rank
+    1 does not. The heal brings rank 1 forward to step 9 (and rank 3's replacement, from
+    the prepared record only rank 1 may hold), never the others back: every rank
+    restores step 9 live, no step is redone, bitwise."""
+    nodes = ("--in-process", "--simulate-nodes=2", "--nproc-per-node=2")
+    fault = "--inject-fault=crash point=step-prepared rank=3 hit=8"
+    job = ("--in-process", "--heal", "--split-barrier=9")
+    run = launch(tmp_path, *nodes, fault, job=job)
+    assert run["params"] == reference["params"]
+    for rank in range(WORLD):
+        mine = sorted((s for s in run["starts"] if s["rank"] == rank),
+                      key=lambda s: s["seen_generation"])  # fmt: skip
+        assert mine[-1]["restored"] == 9 and mine[-1]["origins"] == ["live"] * WORLD, mine
+        assert (mine[0]["pid"] == mine[-1]["pid"]) == (rank != 3), mine
+    [rec] = run["timeline"]["recoveries"]
+    assert rec["steps_redone"] == 0 and rec["respawned"] == [3], rec
+
+
 @pytest.mark.timeout(240)
 def test_a_model_wrapped_part_by_part_heals_bitwise(tmp_path):
     """Each layer its own DDP wrapper (the state holds the whole model): every part's
@@ -178,16 +200,51 @@ def table(*rows: tuple[int | None, dict[int, list[int]]]) -> list[dict]:
 
 
 def test_plan_heals_only_where_every_lost_record_is_held_at_the_live_step():
-    ok = live.plan(table((7, {}), (None, {}), (7, {1: [6, 7]}), (7, {3: [7]})))
-    assert ok == live.Plan(step=7, source={1: 0}, holder={1: 2})
-    two = live.plan(table((5, {2: [5]}), (5, {3: [5]}), (None, {}), (None, {})))
+    ok = plan.plan(table((7, {}), (None, {}), (7, {1: [6, 7]}), (7, {3: [7]})))
+    assert ok == plan.Plan(step=7, source={1: 0}, holder={1: 2})
+    two = plan.plan(table((5, {2: [5]}), (5, {3: [5]}), (None, {}), (None, {})))
     assert two is not None and two.source == {2: 0, 3: 1}  # spread over the live ranks
-    # A rank one step ahead (it finished a step the others did not): no exact heal.
-    assert live.plan(table((7, {1: [7]}), (None, {}), (8, {}), (7, {}))) is None
+    # A rank one step ahead, and no prepared record of its step anywhere: no exact heal.
+    assert plan.plan(table((7, {1: [7]}), (None, {}), (8, {}), (7, {}))) is None
     # The lost rank's record of the live step is held nowhere.
-    assert live.plan(table((7, {1: [6]}), (None, {}), (7, {}), (7, {}))) is None
-    assert live.plan(table((None, {}), (None, {}))) is None  # nothing live: restart-all
-    assert live.plan(table((4, {}), (4, {}))) == live.Plan(4, {}, {})
+    assert plan.plan(table((7, {1: [6]}), (None, {}), (7, {}), (7, {}))) is None
+    assert plan.plan(table((None, {}), (None, {}))) is None  # nothing live: restart-all
+    assert plan.plan(table((4, {}), (4, {}))) == plan.Plan(4, {}, {})
+
+
+def _flight(after: int, post: dict, pre: dict, **following: dict | None) -> dict:
+    return {"after": after, "post": post, "pre": pre, "held": {},
+            "next": {"own": following.get("own"), "held": following.get("held") or {}}}  # fmt: skip
+
+
+def test_plan_rolls_a_rank_stopped_in_the_barrier_forward_never_the_others_back():
+    """Node 1 dies in step 9's barrier: ranks 0 and 2 got past it and applied step 9,
+    rank 1 did not (gloo's barrier fails on some survivors and not others). Rank 1 is
+    healed forward to 9 like a lost rank, its record rebuilt from its own prepared one;
+    so is rank 3, whose prepared record only rank 1 holds. The entry every rank changes
+    alike after the step (``progress``) comes from the source's record; the per-rank one
+    the update leaves alone (``rng``) from the prepared record."""
+    ahead = [_flight(8, {"progress": "p9", "rng": f"r{r}"}, {"progress": "p8", "rng": f"r{r}"})
+             for r in (0, 2)]  # fmt: skip
+    mine = {"progress": "p8", "rng": "r1"}
+    behind = _flight(7, {"progress": "p8", "rng": "r1"}, {"progress": "p7", "rng": "r1"},
+                     own=mine, held={"3": {"progress": "p8", "rng": "r3"}})  # fmt: skip
+    rows = table((9, {}), (8, {}), (9, {}), (None, {}))
+    for r, flight in ((0, ahead[0]), (1, behind), (2, ahead[1])):
+        rows[r]["flight"] = flight
+    chosen = plan.plan(rows)
+    assert chosen == plan.Plan(
+        step=9, source={1: 0, 3: 2}, holder={1: 1, 3: 1}, rebuilt={1: ["progress"], 3: ["progress"]}
+    )
+    # Rank 1 never prepared step 9: it cannot be brought forward, nor the others back.
+    rows[1]["flight"] = {**behind, "next": {"own": None, "held": behind["next"]["held"]}}
+    assert plan.plan(rows) is None
+    # An entry the update changes, and per rank: it cannot be rebuilt.
+    rows[1]["flight"] = behind
+    rows[2]["flight"] = _flight(8, {"progress": "p9", "rng": "x"}, {"progress": "p8", "rng": "r2"})
+    assert plan.plan(rows) is None
+    # Two steps apart: no heal.
+    assert plan.plan(table((9, {}), (7, {}), (9, {}), (9, {}))) is None
 
 
 def test_record_keeps_only_what_replicas_do_not_share_and_checks_what_it_reads():

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from test_heal import table
-from unbroken.healing import live, records
+from unbroken.healing import live, plan, records
 from unbroken.healing.records import Record
 
 
@@ -22,11 +22,11 @@ def test_plan_takes_a_lost_ranks_source_among_the_ranks_holding_its_shard():
     """HSDP on a 2x2 mesh: ranks 0 and 2 hold one shard, 1 and 3 the other."""
     peers = [[0, 2], [1, 3], [0, 2], [1, 3]]
     rows = table((None, {}), (None, {}), (5, {0: [5]}), (5, {1: [5]}))
-    chosen = live.plan([{**row, "peers": p} for row, p in zip(rows, peers, strict=True)])
-    assert chosen == live.Plan(step=5, source={0: 2, 1: 3}, holder={0: 2, 1: 3})
+    chosen = plan.plan([{**row, "peers": p} for row, p in zip(rows, peers, strict=True)])
+    assert chosen == plan.Plan(step=5, source={0: 2, 1: 3}, holder={0: 2, 1: 3})
     # Both holders of shard 0 lost: no live replica, the snapshot path restores.
     rows = table((None, {}), (5, {0: [5]}), (None, {}), (5, {2: [5]}))
-    assert live.plan([{**row, "peers": p} for row, p in zip(rows, peers, strict=True)]) is None
+    assert plan.plan([{**row, "peers": p} for row, p in zip(rows, peers, strict=True)]) is None
 
 
 @pytest.mark.timeout(120)

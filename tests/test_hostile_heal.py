@@ -20,7 +20,7 @@ from torch import nn
 
 from ranks import run_ranks
 from unbroken.errors import CheckpointError
-from unbroken.healing import live, records
+from unbroken.healing import live, plan, records
 from unbroken.healing.peers import replicated_entries
 from unbroken.healing.records import Record
 from unbroken.state import capture
@@ -251,8 +251,8 @@ def test_a_malformed_plan_row_is_refused_naming_its_rank(case):
 
     table = [_row(held={}), ROWS[case]]
     with pytest.raises(CheckpointError, match="rank 1 sent a malformed heal plan row"):
-        live.plan(messages.rows(table, 2))
-    assert live.plan(messages.rows([_row(), _row(live=None, held={})], 2)) is not None
+        plan.plan(messages.rows(table, 2))
+    assert plan.plan(messages.rows([_row(), _row(live=None, held={})], 2)) is not None
 
 
 def _record(tree: Any = None, table: Any = None) -> bytes:

@@ -6,7 +6,8 @@ import torch
 
 import unbroken
 from unbroken.errors import CheckpointError
-from unbroken.state import capture, decode, tensor_keys
+from unbroken.format.tree import decode, tensor_keys
+from unbroken.state import capture
 
 
 def test_public_api_is_small_and_importable():

@@ -81,6 +81,7 @@ def stress(runs: int, demo: bool = True, tests: bool = True) -> list[str]:
     failures = []
     with loaded(), tempfile.TemporaryDirectory() as tmp:
         for n in range(runs):
+            found: list[str | None] = []
             if demo:
                 cmd = [
                     sys.executable,
@@ -91,7 +92,7 @@ def stress(runs: int, demo: bool = True, tests: bool = True) -> list[str]:
                     f"{tmp}/demo-{n}",
                     "--clean",
                 ]
-                failures.append(_run(cmd, Path(tmp), timeout=600))
+                found.append(_run(cmd, Path(tmp), timeout=600))
             if tests:
                 cmd = [
                     sys.executable,
@@ -103,7 +104,10 @@ def stress(runs: int, demo: bool = True, tests: bool = True) -> list[str]:
                     "no:cacheprovider",
                     *files,
                 ]
-                failures.append(_run(cmd, TESTS, timeout=900))
+                found.append(_run(cmd, TESTS, timeout=900))
+            for failed in filter(None, found):  # at once: a long run is read while it runs
+                print(f"round {n + 1} failed: {failed}", flush=True)
+            failures += found
             print(
                 f"round {n + 1}/{runs}: {sum(f is not None for f in failures)} failed", flush=True
             )

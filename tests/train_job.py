@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--in-process", action="store_true", help="train under in_process")
     p.add_argument("--heal", action="store_true", help="ckpt.step each step: live healing")
     p.add_argument("--parts", action="store_true", help="--heal: a DDP wrapper per layer")
+    p.add_argument("--split-barrier", type=int, default=0, help="--heal: see `split_barrier`")
     return p.parse_args()
 
 
@@ -83,6 +85,8 @@ def heal_train(args: argparse.Namespace) -> None:
     assert isinstance(module, nn.Module) and isinstance(optim, torch.optim.Optimizer)
     assert isinstance(progress, unbroken.Progress)
     state = {"model": module, "optim": optim, "progress": progress}
+    if args.split_barrier and rank == 1 and "split" not in _kept:
+        split_barrier(args.split_barrier, progress)
     ckpt = checkpointer(args)
     restored = ckpt.restore(state)
     record_start(args.out, rank, restored, ckpt.last_restore)
@@ -100,6 +104,22 @@ def heal_train(args: argparse.Namespace) -> None:
         ckpt.step(step, state)
         end_step(ckpt, step, state, args)
     finish(ckpt, module, args.out, rank)
+
+
+def split_barrier(step: int, progress: unbroken.Progress) -> None:
+    """A peer dying in the barrier of ``step`` (`unbroken.healing.inflight`) can leave
+    the survivors split: gloo's barrier completes on some and fails on others. This rank
+    is made one of the others, once: its barrier of ``step`` completes on every rank,
+    then fails here, as gloo's does, so the others apply the step and this one does not."""
+    barrier, armed = dist.barrier, [True]
+    _kept["split"] = armed
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        barrier(*args, **kwargs)
+        if progress.step + 1 == step and armed and armed.pop():
+            raise RuntimeError(f"Connection closed by peer (the barrier of step {step})")
+
+    dist.barrier = failing
 
 
 def one_step(model: nn.Module, optim: torch.optim.Optimizer, step: int, rank: int) -> None:

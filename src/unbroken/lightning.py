@@ -30,13 +30,13 @@ import torch
 from unbroken.errors import CheckpointError
 from unbroken.format.directory import Directory
 from unbroken.format.offline import read_all
+from unbroken.format.tree import decode
 from unbroken.job.background import SaveThread, wait_for
 from unbroken.job.comm import Comm
 from unbroken.retention import KeepLast
 from unbroken.saving import pipeline as saving
 from unbroken.saving.committed import Collector
 from unbroken.saving.staging import Stager
-from unbroken.state import decode
 from unbroken.storage import open_storage
 
 try:

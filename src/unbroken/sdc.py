@@ -56,6 +56,7 @@ from torch.optim import Optimizer
 from unbroken.errors import CheckpointError
 from unbroken.format.blockio import start
 from unbroken.format.layout import step_dir
+from unbroken.format.marks import SUSPECT, report, suspect
 from unbroken.format.write_plan import Block
 from unbroken.run.worker import event
 from unbroken.state import param_indices
@@ -65,8 +66,6 @@ __all__ = [
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
-
-SUSPECT = "suspect.json"
 
 
 class SilentCorruptionError(CheckpointError):
@@ -237,16 +236,6 @@ def record(found: list[Divergence]) -> bytes:
     return json.dumps({"suspect": "replicas differ", "divergent": rows}).encode()
 
 
-def suspect(storage: object, step_dir: str) -> list[dict[str, object]] | None:
-    """The divergent regions recorded for a step (``None`` if it was not marked)."""
-    try:
-        raw = storage.read(f"{step_dir}/{SUSPECT}")  # type: ignore[attr-defined]
-    except (FileNotFoundError, KeyError):
-        return None
-    rows = json.loads(bytes(raw))["divergent"]
-    return list(rows)
-
-
 def guard(
     replicated: Replicated | None,
     rank: int,
@@ -262,16 +251,6 @@ def guard(
     found = replicated.check(step, blocks, rank, known_by_rank)
     if found and rank == 0:
         storage.write(f"{step_dir(step)}/{SUSPECT}", [record(found)])  # type: ignore[attr-defined]
-
-
-def report(storage: object, step: int) -> str | None:
-    """One line for tools (``unbroken show``) when ``step`` was saved as suspect."""
-    rows = suspect(storage, step_dir(step))
-    if not rows:
-        return None
-    where = ", ".join(f"{r['tensor']} ({r['values']})" for r in rows[:3])
-    more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
-    return f"step {step}: data-parallel replicas differed when saved: {where}{more}"
 
 
 def restoring(storage: object, step: int) -> Callable[[], None]:

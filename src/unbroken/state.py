@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import random
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -19,10 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from unbroken.errors import CheckpointError
-
-Json = Any  # None | bool | int | float | str | list[Json] | dict[str, Json]
-
-_TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
+from unbroken.format.tree import ITEMS, TENSOR, TUPLE, Json
 
 
 @runtime_checkable
@@ -217,11 +214,11 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Json:
                 "weights), or leave the tensor out of state_dict()"
             )
         tensors[path] = value
-        return {_TENSOR: path}
+        return {TENSOR: path}
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, tuple):
-        return {_TUPLE: [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]}
+        return {TUPLE: [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]}
     if isinstance(value, list):
         return [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
     if isinstance(value, Mapping):
@@ -230,68 +227,8 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Json:
         for k in value:
             if not isinstance(k, str | int | bool) and k is not None:
                 raise CheckpointError(f"{path} has a key of type {type(k).__name__}: {k!r}")
-        return {_ITEMS: [[k, _encode(v, f"{path}/{k}", tensors)] for k, v in value.items()]}
+        return {ITEMS: [[k, _encode(v, f"{path}/{k}", tensors)] for k, v in value.items()]}
     raise CheckpointError(
         f"{path} is a {type(value).__module__}.{type(value).__qualname__}; checkpoints hold "
         "tensors and JSON values only (loading never unpickles). Convert it in state_dict()."
     )
-
-
-def decode(value: Json, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of the encoding made by `capture`, with tensors taken from ``tensors``."""
-    if isinstance(value, list):
-        return [decode(v, tensors) for v in value]
-    if isinstance(value, dict):
-        if _TENSOR in value:
-            return tensors[value[_TENSOR]]
-        if _TUPLE in value:
-            return tuple(decode(v, tensors) for v in value[_TUPLE])
-        if _ITEMS in value:
-            return {k: decode(v, tensors) for k, v in value[_ITEMS]}
-        return {k: decode(v, tensors) for k, v in value.items()}
-    return value
-
-
-def tensor_keys(value: Json) -> list[str]:
-    """Keys of every tensor placeholder in an encoded tree, in order."""
-    if isinstance(value, list):
-        return [k for v in value for k in tensor_keys(v)]
-    if isinstance(value, dict):
-        if _TENSOR in value:
-            return [value[_TENSOR]]
-        return [k for v in value.values() for k in tensor_keys(v)]
-    return []
-
-
-def prune(tree: Json, keep: set[str]) -> Json:
-    """``tree`` without the tensor placeholders whose key is not in ``keep``."""
-    if isinstance(tree, list):
-        return [prune(v, keep) for v in tree]
-    if isinstance(tree, dict):
-        if _TENSOR in tree:
-            return tree
-        return {
-            k: prune(v, keep)
-            for k, v in tree.items()
-            if not (isinstance(v, dict) and _TENSOR in v and v[_TENSOR] not in keep)
-        }
-    return tree
-
-
-def leaves(tree: Json, path: str = "") -> Iterator[tuple[str, Any]]:
-    """The non-tensor values of an encoded tree, for display: ``(path, value)``, with
-    dicts (unless short) and anything holding tensors opened up."""
-    value = decode(tree, {}) if tensor_keys(tree) == [] else None
-    if value is not None and (not isinstance(value, dict) or len(repr(value)) <= 60):
-        yield path, value
-    elif isinstance(tree, dict) and _ITEMS in tree:
-        for key, value in tree[_ITEMS]:
-            yield from leaves(value, f"{path}/{key}")
-    elif isinstance(tree, dict) and _TENSOR not in tree:
-        items = tree.get(_TUPLE, tree)
-        pairs = enumerate(items) if isinstance(items, list) else items.items()
-        for key, value in pairs:
-            yield from leaves(value, f"{path}/{key}" if path else str(key))
-    elif isinstance(tree, list):
-        for i, value in enumerate(tree):
-            yield from leaves(value, f"{path}/{i}")

@@ -128,8 +128,8 @@ def _ls_table(path: str, directory: Directory, steps: list[int]) -> bool:
 
 
 def show(opts: argparse.Namespace) -> int:
-    from unbroken import sdc
-    from unbroken.state import leaves
+    from unbroken.format import marks
+    from unbroken.format.tree import leaves
 
     directory = open_directory(opts)
     m = directory.manifest(opts.step)
@@ -141,7 +141,7 @@ def show(opts: argparse.Namespace) -> int:
         f"ranks at {_time(m.created)} (format version {m.version})",
         highlight=False,
     )
-    if note := sdc.report(directory.storage, m.step):
+    if note := marks.report(directory.storage, m.step):
         console.print(f"[yellow]SUSPECT[/yellow] {note}", highlight=False)
     table = Table("tensor", "dtype", "shape", "blocks", "size")
     for key, entry in m.tensors.items():
@@ -164,7 +164,7 @@ def show(opts: argparse.Namespace) -> int:
 
 
 def verify(opts: argparse.Namespace) -> int:
-    from unbroken.format.offline import verify as check
+    from unbroken.format.audit import verify as check
 
     directory = open_directory(opts)
     steps = directory.steps() if opts.all else [directory.manifest(opts.step).step]

@@ -16,9 +16,9 @@ from rich.markup import escape
 from unbroken.errors import CheckpointError
 
 if TYPE_CHECKING:  # at run time only ``show`` needs torch, and imports it itself
+    from unbroken.format.audit import Damage
     from unbroken.format.directory import Directory
     from unbroken.format.layout import Manifest
-    from unbroken.format.offline import Damage
 
 
 def dump(obj: dict[str, Any]) -> None:
@@ -67,7 +67,7 @@ def any_damaged(listing: dict[str, Any]) -> bool:
 
 
 def show(path: str, m: Manifest) -> dict[str, Any]:
-    from unbroken.state import leaves
+    from unbroken.format.tree import leaves
 
     return {
         "path": path,

@@ -50,7 +50,7 @@ from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format.directory import Directory
 from unbroken.format.layout import MANIFEST, Manifest, dtype_name, step_dir
 from unbroken.format.shards import byte_view, fill, read_chunk, write_blocks
-from unbroken.state import decode, tensor_keys
+from unbroken.format.tree import decode, tensor_keys
 from unbroken.storage import Storage, open_storage
 
 DCP_METADATA = ".metadata"

@@ -13,19 +13,12 @@ from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-import torch
-
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format.layout import Chunk, verify_block
 from unbroken.storage import Storage
 
 T = TypeVar("T")
 Item = TypeVar("Item")
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def read_into(

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from unbroken.errors import CheckpointError
-from unbroken.format.blockio import byte_view, read_into, run_all, verify_chunk
+from unbroken.format.blockio import read_into, run_all, verify_chunk
 from unbroken.format.coalesce import Extent, fetch, fetch_held
 from unbroken.format.layout import Chunk, TensorEntry, safetensors_header, shard_file, verify_block
 from unbroken.run import faults
@@ -37,6 +37,11 @@ def packed(sizes: Iterable[int]) -> tuple[list[int], int]:
         starts.append(total)
         total += -(-size // ALIGN) * ALIGN
     return starts, total
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def local_block(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -22,9 +22,13 @@ after the update (an entry every rank held alike before it and every live rank h
 alike after it: `Progress`, schedulers). Any other entry (changed by the update, and
 per rank) cannot be rebuilt: the heal falls back to snapshots, as before.
 
-Not covered: a rank lost in the middle of the barrier itself can leave some survivors
-past the update and others not; that falls back to snapshots. The barrier runs where the
-default group is gloo; with NCCL it is skipped (records are still prepared).
+A rank lost in the middle of the barrier can leave the survivors split: gloo's barrier
+completes on the ranks that heard from every peer before the loss and fails on the
+others, so some survivors applied s and some are still at s - 1. The heal rolls the ones
+behind forward, never the others back: each receives the replicated state of s from a
+rank that applied it, as a replacement does, and its record of s is rebuilt from its own
+prepared record by the same rule. The barrier runs where the default group is gloo; with
+NCCL it is skipped (records are still prepared).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from unbroken.errors import CheckpointError
+from unbroken.format.tree import decode
 from unbroken.healing import records
 from unbroken.healing.records import Record
 
@@ -67,41 +72,54 @@ def forget(job: str) -> None:
 def row(job: str, rank: int, mine: Record | None) -> dict[str, Any] | None:
     """This rank's part of the heal's plan row: the step before its newest record
     (``after``), the digests of that record (``post``) and of its prepared record of the
-    same step (``pre``), and those of the prepared records it holds for peers."""
+    same step (``pre``), those of the prepared records it holds for peers (``held``), and
+    the same two for the step after its newest record (``next``: a rank stopped in the
+    barrier of a step others applied)."""
     if mine is None or mine.after is None:
         return None
-    with _lock:
-        pre = _own.get(job, {}).get(mine.after)
-        held = {o: dict(a) for o, a in _held.get(job, {}).items()}
-    peers = {}
-    for owner, by_after in held.items():
-        if mine.after in by_after:
-            try:
-                peers[str(owner)] = Record.decode(by_after[mine.after], f"rank {owner}").header
-            except CheckpointError:
-                continue  # malformed: this rank cannot heal it from that record
+    own, held = _prepared(job, rank, mine.after)
+    next_own, next_held = _prepared(job, rank, mine.step)
     return {
         "after": mine.after,
         "post": mine.header.get("digests"),
-        "pre": None if pre is None or pre.rank != rank else pre.header.get("digests"),
-        "held": {o: h.get("digests") for o, h in peers.items() if h.get("after") == mine.after},
+        "pre": own,
+        "held": held,
+        "next": {"own": next_own, "held": next_held},
     }
 
 
+def _prepared(job: str, rank: int, after: int) -> tuple[Any, dict[str, Any]]:
+    """The digests of this rank's own prepared record of the step after ``after`` (None
+    if it has none), and of those it holds for peers, by owner."""
+    with _lock:
+        own = _own.get(job, {}).get(after)
+        held = {o: a[after] for o, a in _held.get(job, {}).items() if after in a}
+    peers = {}
+    for owner, data in held.items():
+        try:
+            header = Record.decode(data, f"rank {owner}").header
+        except CheckpointError:
+            continue  # malformed: this rank cannot heal it from that record
+        if header.get("after") == after:
+            peers[str(owner)] = header.get("digests")
+    return (None if own is None or own.rank != rank else own.header.get("digests")), peers
+
+
 def rebuild(
-    table: list[dict[str, Any]], live: list[int], lost: int
+    table: list[dict[str, Any]], ahead: list[int], lost: int
 ) -> tuple[int, list[str]] | None:
-    """Pure: for a lost rank whose record of the heal's step no one holds, the live rank
-    holding its prepared record and the entries to take from the live ranks' records, if
-    every entry can be rebuilt (module docstring); else None."""
-    rows = [table[q].get("flight") for q in live]
+    """Pure: for a rank whose record of the heal's step no one holds (lost, or alive and
+    a step behind ``ahead``, the ranks live at it), the rank holding its prepared record
+    and the entries to take from the ahead ranks' records, if every entry can be rebuilt
+    (module docstring); else None."""
+    rows = [table[q].get("flight") for q in ahead]
     flights: list[dict[str, Any]] = [f for f in rows if f is not None and f["pre"] is not None]
-    if len(flights) != len(live) or len({f["after"] for f in flights}) != 1:
+    if len(flights) != len(ahead) or len({f["after"] for f in flights}) != 1:
         return None
-    holders = [q for q, f in zip(live, flights, strict=True) if str(lost) in f["held"]]
-    if not holders:
+    found = _holder(table, ahead, flights, lost)
+    if found is None:
         return None
-    prepared: Mapping[str, str] = flights[live.index(holders[0])]["held"][str(lost)]
+    holder, prepared = found
     names = set(prepared)
     if any(set(f["post"]) != names or set(f["pre"]) != names for f in flights):
         return None
@@ -114,25 +132,47 @@ def rebuild(
             common.append(name)  # the same everywhere, before and after the update
             continue
         return None
-    return holders[0], common
+    return holder, common
 
 
-def merged(job: str, rank: int, owner: int, after: int, common: list[str]) -> bytes:
-    """On ``rank``, the holder of ``owner``'s prepared record: ``owner``'s record of the
-    step after ``after``, rebuilt (`rebuild`) with the ``common`` entries of this rank's
-    own newest record."""
-    from unbroken.state import decode
+def _holder(
+    table: list[dict[str, Any]], ahead: list[int], flights: list[dict[str, Any]], lost: int
+) -> tuple[int, Mapping[str, str]] | None:
+    """The first rank holding ``lost``'s prepared record of the heal's step, and its
+    digests: a rank ahead, a rank behind (its ``next``), or ``lost`` itself if behind."""
+    for q, f in zip(ahead, flights, strict=True):
+        if str(lost) in f["held"]:
+            return q, f["held"][str(lost)]
+    after = flights[0]["after"]
+    for q, row in enumerate(table):
+        following = (row.get("flight") or {}).get("next")
+        if row["live"] != after or following is None:
+            continue
+        prepared = following["own"] if q == lost else following["held"].get(str(lost))
+        if prepared is not None:
+            return q, prepared
+    return None
 
+
+def prepared(job: str, rank: int, owner: int, after: int) -> bytes:
+    """On ``rank``: ``owner``'s prepared record of the step after ``after``, as held (its
+    own, if ``owner`` is ``rank``)."""
     with _lock:
-        data = _held[job][owner][after]
-    prepared = Record.decode(data, f"rank {owner}")
-    mine = records.own(job, rank)
-    assert mine is not None and mine.after == after
+        if owner == rank:
+            return _own[job][after].data
+        return _held[job][owner][after]
+
+
+def merge(prepared: Record, post: Record, common: list[str]) -> Record:
+    """Pure: ``prepared``'s owner's record of its step, rebuilt (`rebuild`) with the
+    ``common`` entries of ``post``, a record of the same step of a rank that applied it."""
     values: dict[str, Any] = {}
-    for source in (prepared, mine):
+    for source in (prepared, post):
         tensors = source.tensors()
         for name, encoded in source.header["tree"].items():
-            if (source is mine) == (name in common):
+            if (source is post) == (name in common):
                 values[name] = decode(encoded, tensors)
     extra = {k: prepared.header[k] for k in ("layouts", "data_parallel") if k in prepared.header}
-    return Record.make(mine.step, owner, values, fingerprinted=False, after=after, **extra).data
+    return Record.make(
+        post.step, prepared.rank, values, fingerprinted=False, after=prepared.after, **extra
+    )

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,57 +46,18 @@ from torch.optim import Optimizer
 from unbroken.errors import CheckpointError
 from unbroken.format.layout import checksum, dtype_name, verify_block
 from unbroken.format.shards import byte_view
+from unbroken.format.tree import decode
 from unbroken.healing import inflight, messages, records
 from unbroken.healing.messages import Meta
 from unbroken.healing.peers import local, replicated_entries, shard_peers
+from unbroken.healing.plan import Plan, plan
 from unbroken.healing.records import Record
 from unbroken.job.comm import Comm
 from unbroken.restoring.sources import Origin, Restored
 from unbroken.run import faults
-from unbroken.state import Captured, capture, decode, init_state, is_stateful, param_indices
+from unbroken.state import Captured, capture, init_state, is_stateful, param_indices
 
 log = logging.getLogger("unbroken")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Heal at ``step``: each lost rank gets its tensors from ``source[lost]`` and its
-    record from ``holder[lost]``."""
-
-    step: int
-    source: dict[int, int]
-    holder: dict[int, int]
-    rebuilt: dict[int, list[str]] = field(default_factory=dict)  # from prepared records
-
-
-def plan(table: list[dict[str, Any]]) -> Plan | None:
-    """Pure: the plan for the gathered ``{"live": step or None, "held": {owner: steps},
-    "peers": ranks holding the same replicated state, or None for any}`` of every rank,
-    or None if healing cannot be exact. A lost rank's source is a live rank each of the
-    two counts as a peer (under HSDP: the same shard, in another replica group)."""
-    live = [r for r, row in enumerate(table) if row["live"] is not None]
-    steps = {table[r]["live"] for r in live}
-    if not live or len(steps) != 1:
-        return None
-    (step,) = steps
-    lost = [r for r in range(len(table)) if r not in live]
-    holder, source, rebuilt = {}, {}, {}
-    for i, r in enumerate(lost):
-        holders = [q for q in live if step in table[q]["held"].get(str(r), [])]
-        sources = [q for q in live if _peers(table, r, q)]
-        if not holders and (prepared := inflight.rebuild(table, live, r)) is not None:
-            holders, rebuilt[r] = [prepared[0]], prepared[1]
-        if not holders or not sources:
-            why = "its step record" if not holders else "a replica of its state"
-            log.info("rank %d cannot be healed at step %d: no live rank holds %s", r, step, why)
-            return None
-        holder[r], source[r] = holders[0], sources[i % len(sources)]
-    return Plan(step, source, holder, rebuilt)
-
-
-def _peers(table: list[dict[str, Any]], a: int, b: int) -> bool:
-    of_a, of_b = table[a].get("peers"), table[b].get("peers")
-    return (of_a is None or b in of_a) and (of_b is None or a in of_b)
 
 
 def heal(
@@ -199,11 +159,12 @@ def _checked(
         return mine, None, {}, shared
     holder, source = chosen.holder[comm.rank], chosen.source[comm.rank]
     record = Record.decode(got[0], f"rank {holder}")
-    if record.rank != comm.rank or record.step != chosen.step:
-        raise CheckpointError(
-            f"rank {holder} sent the step record of rank {record.rank}, step {record.step}; "
-            f"expected rank {comm.rank}, step {chosen.step}"
-        )
+    if got[2] is not None:  # its prepared record, and its source's record to rebuild it
+        _expect(record, comm.rank, chosen.step, f"rank {holder}", "prepared record")
+        post = Record.decode(got[2], f"rank {source}")
+        _expect(post, source, chosen.step, f"rank {source}", "step record")
+        record = inflight.merge(record, post, chosen.rebuilt[comm.rank])
+    _expect(record, comm.rank, chosen.step, f"rank {holder}", "step record")
     agreed = digests[source]
     if agreed is None:
         raise CheckpointError(f"rank {source} is to heal rank {comm.rank} but sent no digest")
@@ -212,34 +173,53 @@ def _checked(
     return record, described, targets, shared
 
 
+def _expect(record: Record, rank: int, step: int, sender: str, what: str) -> None:
+    if record.rank != rank or record.step != step:
+        raise CheckpointError(
+            f"{sender} sent the {what} of rank {record.rank}, step {record.step}; "
+            f"expected rank {rank}, step {step}"
+        )
+
+
 def _messages(
     comm: Comm, job: str, chosen: Plan, meta: dict[str, Any] | None
-) -> tuple[bytes, bytes] | None:
-    """Each lost rank receives its record from its holder and the replicated entries'
-    description from its source. Returns them, unread (None on a live rank)."""
-    held = records.held(job)
+) -> tuple[bytes, bytes, bytes | None] | None:
+    """Each rank healed receives its record from its holder (or, where it is rebuilt,
+    its prepared record: from itself, if it is a rank behind) and from its source the
+    replicated entries' description (and, where it is rebuilt, the source's own record).
+    Returns them, unread (None on a rank not healed)."""
     send: dict[int, list[bytes]] = {}
-    for lost in sorted(chosen.source):
-        if chosen.holder[lost] == comm.rank and lost in chosen.rebuilt:
-            after = records.own(job, comm.rank).after  # type: ignore[union-attr]
-            record = inflight.merged(job, comm.rank, lost, after or 0, chosen.rebuilt[lost])
-            send.setdefault(lost, []).append(record)
-        elif chosen.holder[lost] == comm.rank:
-            send.setdefault(lost, []).append(held[lost][chosen.step])
-        if chosen.source[lost] == comm.rank:
+    for healed in sorted(chosen.source):
+        if chosen.holder[healed] == comm.rank != healed:
+            send.setdefault(healed, []).append(_record_for(job, comm.rank, chosen, healed))
+        if chosen.source[healed] == comm.rank:
             assert meta is not None
-            send.setdefault(lost, []).append(json.dumps(meta).encode())
+            send.setdefault(healed, []).append(json.dumps(meta).encode())
+            if healed in chosen.rebuilt:
+                send[healed].append(records.own(job, comm.rank).data)  # type: ignore[union-attr]
     # One message per pair: holder and source may be the same rank.
     framed = {p: messages.frame(parts) for p, parts in send.items()}
     if comm.rank not in chosen.source:
         records.exchange(comm, framed, [])
         return None
     holder, source = chosen.holder[comm.rank], chosen.source[comm.rank]
-    got = records.exchange(comm, framed, sorted({holder, source}))
+    got = records.exchange(comm, framed, sorted({holder, source} - {comm.rank}))
+    rebuilt = comm.rank in chosen.rebuilt
+    parts = messages.unframe(got[source], 1 + rebuilt + (holder == source), source)
     if holder == source:
-        record, described = messages.unframe(got[holder], 2, holder)
-        return record, described
-    return messages.unframe(got[holder], 1, holder)[0], messages.unframe(got[source], 1, source)[0]
+        record, parts = parts[0], parts[1:]
+    elif holder == comm.rank:
+        record = _record_for(job, comm.rank, chosen, comm.rank)
+    else:
+        record = messages.unframe(got[holder], 1, holder)[0]
+    return record, parts[0], parts[1] if rebuilt else None
+
+
+def _record_for(job: str, rank: int, chosen: Plan, healed: int) -> bytes:
+    """On ``healed``'s holder: what it sends ``healed`` as its record."""
+    if healed in chosen.rebuilt:
+        return inflight.prepared(job, rank, healed, chosen.step - 1)
+    return records.held(job)[healed][chosen.step]
 
 
 def _targets(

@@ -25,11 +25,11 @@ from torch.optim import Optimizer
 
 from unbroken.errors import CheckpointError
 from unbroken.format.layout import TORCH_DTYPES, checksum
-from unbroken.format.validate import MAX_STEP, tensor_bytes
 
 # The encoding's markers (`unbroken.state.capture`): a tensor placeholder, a tuple, a
 # dict whose keys are not plain strings.
-from unbroken.state import _ITEMS, _TENSOR, _TUPLE
+from unbroken.format.tree import ITEMS, TENSOR, TUPLE
+from unbroken.format.validate import MAX_STEP, tensor_bytes
 
 MAX_DEPTH = 100  # a state tree's nesting (an optimizer's is 5 deep): decoding recurses
 MAX_HELD = 64  # steps a row may say it holds for one rank (records keep 2)
@@ -85,18 +85,18 @@ def check_tree(tree: Any, keys: Collection[str]) -> None:
 
 def _children(value: dict[str, Any], keys: Collection[str], used: set[str]) -> list[Any]:
     """The values inside one encoded object, checked to be of the encoding's forms."""
-    if _TENSOR in value:
-        key = value[_TENSOR]
+    if TENSOR in value:
+        key = value[TENSOR]
         if len(value) != 1 or not isinstance(key, str) or key not in keys:
             raise ValueError(f"its tree has a placeholder {value!r:.80} for no tensor it lists")
         used.add(key)
         return []
-    if _TUPLE in value:
-        if len(value) != 1 or not isinstance(value[_TUPLE], list):
+    if TUPLE in value:
+        if len(value) != 1 or not isinstance(value[TUPLE], list):
             raise ValueError(f"its tree has a malformed tuple {value!r:.80}")
-        return list(value[_TUPLE])
-    if _ITEMS in value:
-        items = value[_ITEMS]
+        return list(value[TUPLE])
+    if ITEMS in value:
+        items = value[ITEMS]
         if (
             len(value) != 1
             or not isinstance(items, list)
@@ -198,6 +198,15 @@ def _flight(value: Any, world: int) -> None:
     if value.get("pre") is not None:
         _digests(value["pre"])
     for found in _by_rank(value.get("held"), world, "flight's held").values():
+        _digests(found)
+    following = value.get("next")
+    if following is None:
+        return
+    if not isinstance(following, dict):
+        raise ValueError("flight's next is not an object")
+    if following.get("own") is not None:
+        _digests(following["own"])
+    for found in _by_rank(following.get("held"), world, "flight's next held").values():
         _digests(found)
 
 

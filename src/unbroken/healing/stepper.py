@@ -5,6 +5,7 @@ they need at restore."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,10 +16,10 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from unbroken.access import read_own
-from unbroken.errors import CheckpointError
+from unbroken.errors import CheckpointError, PeerLostError
 from unbroken.healing import ddp_buckets, inflight, live, messages, records
 from unbroken.healing.records import Record
-from unbroken.job.comm import Comm
+from unbroken.job.comm import Comm, brief, lost_peer
 from unbroken.memory.tier import MemoryTier
 from unbroken.restoring.sources import Restored
 from unbroken.run import faults
@@ -80,8 +81,13 @@ class Stepper:
             layouts=self.tracker.layouts(state),
         )
         inflight.keep_own(self.job, record)
-        for owner, received in self._send(record, f"preparing step {after + 1}", True).items():
+        what = f"preparing step {after + 1}"
+        # Kept before the barrier: a rank it fails on may be the only one holding them.
+        for owner, received in self._send(record, what).items():
             inflight.keep_held(self.job, owner, received.after or 0, received.data)
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            with _failing(what):  # in order with the step's own collectives
+                dist.barrier()
         faults.point("step-prepared")
 
     def exchange(self, record: Record) -> None:
@@ -96,18 +102,13 @@ class Stepper:
         for owner, received in got.items():
             records.keep_held(self.job, owner, received.step, received.data)
 
-    def _send(self, record: Record, what: str, barrier: bool = False) -> dict[int, Record]:
-        """Send ``record`` to the partners and receive the sources' records, checked;
-        with ``barrier``, then wait for every rank at the default group (gloo: in order
-        with the step's own collectives). A failed peer: `CheckpointError`."""
-        try:
+    def _send(self, record: Record, what: str) -> dict[int, Record]:
+        """Send ``record`` to the partners and receive the sources' records, checked. A
+        failed peer: `PeerLostError`."""
+        with _failing(what):
             got = records.exchange(
                 self.comm, dict.fromkeys(self.partners, record.data), self.sources
             )
-            if barrier and dist.is_initialized() and dist.get_backend() == "gloo":
-                dist.barrier()
-        except RuntimeError as e:  # gloo: the peer is gone, or the group was aborted
-            raise CheckpointError(f"{what} failed ({e}): a peer failed") from e
         return {owner: Record.decode(data, f"rank {owner}") for owner, data in got.items()}
 
     def observe(self, state: Mapping[str, Any], memory: MemoryTier | None) -> dict[str, Any]:
@@ -213,3 +214,14 @@ def _noted(path: str, job: str) -> Any:
     if "layouts" not in noted:
         raise ValueError("it names no layouts")
     return noted["layouts"] if noted.get("job") == job else None
+
+
+@contextlib.contextmanager
+def _failing(what: str) -> Iterator[None]:
+    """gloo's errors as the checkpointer's: `PeerLostError` where a peer is gone (or the
+    group was aborted), else `CheckpointError`."""
+    try:
+        yield
+    except RuntimeError as e:
+        lost = PeerLostError if lost_peer(e) else CheckpointError
+        raise lost(f"{what} failed ({brief(e)}): a peer failed") from e

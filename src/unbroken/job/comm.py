@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -48,6 +49,7 @@ T = TypeVar("T")
 
 # How gloo and torch's store say that the other end of a connection is gone.
 _GONE = ("connection closed", "connection reset", "broken pipe", "read error", "write error")
+_SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:537] "
 _LET_GO_S = 1.0  # gloo lets go microseconds after an operation ends; past this, give up
 CLOSE_WAIT_S = 10.0  # ranks closing together arrive within this; past it a peer is not
 
@@ -69,7 +71,8 @@ class Comm:
 
     @contextlib.contextmanager
     def wire(self) -> Iterator[None]:
-        """Around work on the group: refuse it once a peer was lost, and note a loss."""
+        """Around work on the group: refuse it once a peer was lost; note a loss, raised
+        as a `PeerLostError` (in-process recovery takes it as a peer's failure)."""
         if self.lost is not None:
             raise PeerLostError(
                 f"the checkpointer's process group lost a peer earlier ({self.lost[:200]}); "
@@ -78,9 +81,19 @@ class Comm:
         try:
             yield
         except Exception as e:
-            if lost_peer(e):
-                self.lost = str(e)
-            raise
+            if not lost_peer(e):
+                raise
+            said = brief(e)
+            self.lost = self.lost or said
+            if isinstance(e, PeerLostError):
+                raise
+            # One line a user can act on; gloo's own text (its source path, its advice to
+            # check the remote worker's logs) stays in the cause, for a traceback.
+            raise PeerLostError(
+                f"the checkpointer's process group (rank {self.rank} of {self.world_size}) "
+                f"lost a peer: another rank is gone ({said}); restart the job "
+                "(`unbroken run --max-restarts`), or let in-process recovery replace it"
+            ) from e
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
@@ -352,12 +365,31 @@ def _lazy() -> Iterator[None]:
 def lost_peer(error: BaseException) -> bool:
     """Whether ``error``, or what caused it, says a connection to a peer is gone (or
     that the generation was aborted because a peer failed)."""
+    return any(_gone(e) for e in _chain(error))
+
+
+def brief(error: BaseException) -> str:
+    """What the error deepest in ``error``'s chain that says a peer is gone (else
+    ``error``) says, in one line: without gloo's source path, the sentences after its
+    first (advice to read the remote worker's logs, a "GLHF!"), or C++ frames."""
+    said = [e for e in _chain(error) if _gone(e)] or [error]
+    for line in str(said[-1]).splitlines():
+        line = _SOURCE.sub("", line).replace("GLHF!", "").strip()
+        if line:
+            return line.split(". ")[0].rstrip(".")[:200]
+    return type(said[-1]).__name__
+
+
+def _gone(e: BaseException) -> bool:
+    text = str(e).lower()
+    return isinstance(e, dist.DistNetworkError | PeerLostError) or any(w in text for w in _GONE)
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then what caused it, and so on (each once)."""
     seen: set[int] = set()
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        text = str(e).lower()
-        if isinstance(e, dist.DistNetworkError | PeerLostError) or any(w in text for w in _GONE):
-            return True
+        yield e
         e = e.__cause__ or e.__context__
-    return False

@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 from unbroken.errors import CheckpointError
 from unbroken.format.layout import Manifest
-from unbroken.state import capture, decode, tensor_keys
+from unbroken.format.tree import decode, tensor_keys
+from unbroken.state import capture
 
 log = logging.getLogger("unbroken")
 

@@ -29,7 +29,7 @@ from unbroken.format.blockio import run_all
 from unbroken.format.directory import Directory
 from unbroken.format.layout import Chunk, Manifest, TensorEntry, parse, step_dir, verify_block
 from unbroken.format.shards import byte_view, fill_regions, read_held, read_many
-from unbroken.job.comm import Comm
+from unbroken.job.comm import Comm, brief
 from unbroken.memory import replicas
 from unbroken.memory.tier import Slots
 from unbroken.storage import Storage
@@ -321,8 +321,8 @@ class ReplicaSource:
         try:
             replicas.receive(self.comm, manifest, self.provider, into).wait()
         except RuntimeError as e:  # gloo: the provider died, or the transfer timed out
-            raise CheckpointError(
-                f"{self.where} disappeared during the transfer ({e}): its provider failed; "
+            raise CheckpointError(  # a lost peer: `Comm.wire` around the restore says so
+                f"{self.where} disappeared during the transfer ({brief(e)}): its provider failed; "
                 "restore again (from storage if the replica is gone)"
             ) from e
         for key, chunk, data, region in arriving:
