@@ -20,9 +20,9 @@ paused), and moves no bytes. So the times are CPU on the critical path of a rank
 thread's CPU time: `clock`); the transport is not in them: an all_gather is a
 gather on rank 0 and a broadcast down gloo's binomial tree, ``2 + 2 * ceil(log2 n)``
 sequential steps (``steps``; on a group already connected, no store request), with
-``n - 1`` messages at rank 0 (``root_messages``); a planned exchange is a gather to
-rank 0 and a scatter from it, ``n - 1`` messages each at rank 0 and one elsewhere, plus
-the sizes' one integer (an all_reduce and a broadcast).
+``2 (n - 1)`` messages at rank 0 (``root_messages``: the lengths, then the rows); a
+planned exchange is the same gather to rank 0 and a scatter from it (the longest part's
+size broadcast first): ``3 + 2 * ceil(log2 n)`` steps, ``3 (n - 1)`` messages at rank 0.
 """
 
 from __future__ import annotations
@@ -232,6 +232,12 @@ def manifest_validation(manifest: bytes, world: int) -> tuple[float, float]:
     return part, clock() - start
 
 
+def planned_steps(world: int) -> int:
+    """Sequential steps of `unbroken.job.comm.Comm.planned`: the lengths gathered on rank 0
+    and broadcast down the tree, the rows gathered; the size broadcast, the scatter."""
+    return 3 + 2 * math.ceil(math.log2(world)) if world > 1 else 0
+
+
 def gather_steps(world: int) -> int:
     """Sequential steps of `unbroken.job.comm`'s all-gather: two gathers on rank 0, and
     two broadcasts down a binomial tree."""
@@ -248,15 +254,15 @@ def measure(world: int, tensors: int) -> dict[str, dict[str, Any]]:
     def row(seconds: float, exchanges: int, note: str) -> dict[str, Any]:
         return {"s": seconds, "requests": 0, "exchanges": exchanges,
                 "steps": exchanges * gather_steps(world),
-                "root_messages": exchanges * (world - 1), "note": note}  # fmt: skip
+                "root_messages": exchanges * 2 * (world - 1), "note": note}  # fmt: skip
 
     return {
         "step agreement": row(agreement, agreement_x, "rank 0 CPU; group connected: no request"),
         "heal plan": row(heal, heal_x, "rank 0 CPU; group connected: no request"),
         "save plan": {
             **row(save, 3, f"rank 1 CPU; rank 0 plans in {planning:.3f} s ({tensors} tensors)"),
-            "steps": 3 * 2,
-            "root_messages": 3 * 2 * (world - 1),
+            "steps": 3 * planned_steps(world),
+            "root_messages": 3 * 3 * (world - 1),
             "planner_s": planning,
         },
         "manifest validation": {

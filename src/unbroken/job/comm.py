@@ -194,23 +194,17 @@ class Comm:
     # but rank 0; every other rank's cost is its own row and its own part) ------------
 
     def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` (JSON), in rank order, on rank 0; None on the others.
-        Rows are padded with spaces to the longest (JSON ignores them), so one size is
-        agreed first."""
+        """Every rank's ``obj`` (JSON), in rank order, on rank 0; None on the others."""
         if self.group is None:
             return [obj]
-        data = json.dumps(obj).encode()
-        size = torch.tensor([len(data)])
-        self.all_reduce_max(size)
-        mine = torch.full((int(size),), ord(" "), dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        rows = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else []
-        with self.wire(), lent(mine, *rows):
-            dist.gather(mine, rows or None, group=self.group, group_dst=0)
+        with self.wire():
+            lengths, rows = _gather(self.group, json.dumps(obj).encode())
         if self.rank != 0:
             return None
         with building():  # every rank's blocks, on this rank alone
-            return [json.loads(t.numpy().tobytes()) for t in rows]
+            return [
+                json.loads(row[:n].numpy().tobytes()) for row, n in zip(rows, lengths, strict=True)
+            ]
 
     def scatter(self, parts: list[Any] | None) -> Any:
         """``parts[r]`` of rank 0 (JSON, one per rank) on rank r; ``parts`` is read on
@@ -319,32 +313,40 @@ def gloo_group(create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
 
 def _all_gather(group: dist.ProcessGroup, obj: Any) -> list[Any]:
     """Every rank's ``obj`` (JSON), in rank order, on every rank: gathered on the group's
-    first rank, then broadcast down gloo's binomial tree. That is 2 + 2·⌈log2 n⌉
-    sequential steps, where gloo's all_gather is a ring of ``n - 1`` (seconds at
-    thousands of ranks, for each of a save's or restore's exchanges: docs/scaling.md)."""
-    world, first = dist.get_world_size(group), dist.get_rank(group) == 0
-    data = json.dumps(obj).encode()
-    rows = [torch.zeros(1, dtype=torch.int64) for _ in range(world if first else 0)]
-    size = torch.tensor([len(data)])
-    with lent(size, *rows):
-        dist.gather(size, rows or None, group=group, group_dst=0)
-    sizes = torch.cat(rows) if first else torch.zeros(world, dtype=torch.int64)
-    with lent(sizes):
-        dist.broadcast(sizes, group=group, group_src=0)
-    longest = int(sizes.max())
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    padded = [torch.empty(longest, dtype=torch.uint8) for _ in range(world if first else 0)]
-    with lent(mine, *padded):
-        dist.gather(mine, padded or None, group=group, group_dst=0)
-    lengths = [int(n) for n in sizes]
+    first rank (`_gather`), then broadcast down gloo's binomial tree. That is
+    2 + 2·⌈log2 n⌉ sequential steps, where gloo's all_gather is a ring of ``n - 1``
+    (seconds at thousands of ranks, for each of a save's or restore's exchanges:
+    docs/scaling.md)."""
+    lengths, rows = _gather(group, json.dumps(obj).encode())
     blob = torch.empty(sum(lengths), dtype=torch.uint8)
-    if first:
-        blob[:] = torch.cat([row[:n] for row, n in zip(padded, lengths, strict=True)])
+    if rows:
+        blob[:] = torch.cat([row[:n] for row, n in zip(rows, lengths, strict=True)])
     with lent(blob):
         dist.broadcast(blob, group=group, group_src=0)
     with building():  # a save's rows: every rank's blocks
         return [json.loads(part.numpy().tobytes()) for part in blob.split(lengths)]
+
+
+def _gather(group: dist.ProcessGroup, data: bytes) -> tuple[list[int], list[torch.Tensor]]:
+    """Every rank's ``data`` length, on every rank, and on the group's first rank every
+    rank's ``data``, padded to the longest (an empty list elsewhere). The lengths are
+    gathered there and broadcast down gloo's binomial tree, so agreeing on the padding
+    takes 1 + ⌈log2 n⌉ sequential steps, not an all_reduce's ring of ``n - 1``."""
+    world, first = dist.get_world_size(group), dist.get_rank(group) == 0
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world if first else 0)]
+    size = torch.tensor([len(data)])
+    with lent(size, *counts):
+        dist.gather(size, counts or None, group=group, group_dst=0)
+    sizes = torch.cat(counts) if first else torch.zeros(world, dtype=torch.int64)
+    with lent(sizes):
+        dist.broadcast(sizes, group=group, group_src=0)
+    lengths = [int(n) for n in sizes]
+    mine = torch.zeros(max(lengths), dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = [torch.empty_like(mine) for _ in range(world if first else 0)]
+    with lent(mine, *rows):
+        dist.gather(mine, rows or None, group=group, group_dst=0)
+    return lengths, rows
 
 
 @contextlib.contextmanager
