@@ -15,8 +15,10 @@ own, as on a cluster:
   each is driven as `unbroken.run.cli.loop` drives it. A replacement agent started with
   ``--node-rank`` of the lost node waits to claim its slot;
 - ``n`` ranks: each the store traffic `unbroken.run.in_process` makes around a failure,
-  with its functions: `_generation` at start, the `AbortWatcher`'s wait on the abort
-  key, `_next_generation`'s polling; the lost node's two ring neighbours `_report` it.
+  with its functions: `_generation` at start, the `AbortWatcher`'s two waits (the abort
+  key, then the next generation's started key; on the rank's thread here, where the
+  watcher has one of its own), `_next_generation` (one read once the next generation
+  started); the lost node's two ring neighbours `_report` it.
 
 What is simulated: the node loss (its agent stops beating and answering, its ranks make
 no request), and training (none: a rank waits for the abort from the moment it starts).
@@ -169,10 +171,21 @@ class Sim:
             if rank // LOCAL == LOST_NODE:
                 return  # its process is gone
             self.woke[rank] = time.monotonic()
-            inprocess._next_generation(store, g, DEADLINE_S, "a peer was lost", "scale")
+            store.wait([f"{contract.STARTED_KEY}-{g + 1}"], timedelta(seconds=DEADLINE_S))
+            seen = _Followed(store, g)
+            inprocess._next_generation(store, g, DEADLINE_S, "a peer was lost", "scale", seen)
             self.moved[rank] = time.monotonic()
         except Exception as e:
             self.errors.append(f"rank {rank}: {e}")
+
+
+class _Followed(inprocess.AbortWatcher):
+    """What a rank's watcher knows once generation ``g`` was aborted and ``g + 1``
+    started (the two waits its thread makes, made on the rank's thread): never started."""
+
+    def __init__(self, store: Any, g: int) -> None:
+        super().__init__(store)
+        self.done, self.begun = g, g + 1
 
 
 class _Quiet(Timeline):

@@ -31,6 +31,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 ABORTS = ("EnforceNotMet", "Fatal Python error", "terminate called")
+CAUSE = re.compile(r"Traceback|Error|error:|timed out|FAILED")
 
 
 def two_rank_files(folder: Path = TESTS) -> list[str]:
@@ -68,9 +69,18 @@ def _run(cmd: list[str], cwd: Path, timeout: float) -> str | None:
     aborted = [line for line in out.splitlines() if any(a in line for a in ABORTS)]
     if done.returncode != 0 or aborted:
         return f"{' '.join(cmd)}: exit code {done.returncode}\n" + "\n".join(
-            aborted or out.splitlines()[-30:]
+            aborted or excerpt(out.splitlines())
         )
     return None
+
+
+def excerpt(lines: list[str]) -> list[str]:
+    """The first error and what follows it (the cause: a launcher's own traceback comes
+    last and says only that a rank failed), then the last lines."""
+    first = next((i for i, line in enumerate(lines) if CAUSE.search(line)), len(lines) - 30)
+    first = max(first, 0)
+    head = lines[first : first + 40]
+    return [*head, "...", *lines[-20:]] if first + 40 < len(lines) - 20 else lines[first:]
 
 
 def stress(runs: int, demo: bool = True, tests: bool = True) -> list[str]:

@@ -39,6 +39,7 @@ OWNER_PREFIX = "owner-"  # owner-<rank> in a job's memory folder: "<pid> <pid na
 
 GENERATION_KEY = "unbroken/generation"  # in-process recovery: the running generation
 ABORT_KEY = "unbroken/abort"  # -<g>: set by the supervisor when generation g failed
+STARTED_KEY = "unbroken/started"  # -<g>: set by the supervisor once generation g started
 GENERATION_PREFIX = "unbroken/gen-"  # +<g>: the store prefix of generation g's group
 ATTEMPT_PREFIX = "unbroken/attempt-"  # +<n>: restart attempt n's prefix in a shared store
 SPARE_PREFIX = "unbroken/spare-"  # +<id>: a warm spare's keys, below

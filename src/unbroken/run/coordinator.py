@@ -248,6 +248,7 @@ class Coordinator:
         self._start(owners, lost)
         new = sorted(s for s, a in owners.items() if s not in lost)
         self.store.add(contract.GENERATION_KEY, 1)
+        self.store.set(f"{contract.STARTED_KEY}-{self.generation}", "")  # survivors wait on it
         announce(self.store)
         log(
             f"generation {self.generation}: ranks {sorted(r for v in lost.values() for r in v)} "

@@ -51,7 +51,7 @@ import gc
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -117,14 +117,15 @@ def in_process(train: Callable[[], T], *, timeout_s: float = 60.0, wait_s: float
         abort.begin(generation)
         watcher.watch(generation)
         try:
-            _join(generation, rank, world, timeout_s)
+            with _beating():  # waiting for a replacement that is still starting is not hanging
+                _join(generation, rank, world, timeout_s)
         except Exception as e:  # a rank of this generation died before it joined
             error = str(e)
             _report(store, generation, rank)
             worker.event("init_failed", generation=generation, error=error[:300])
             del e
             _abandon(generation)
-            generation = _next_generation(store, generation, wait_s, error, where)
+            generation = _next_generation(store, generation, wait_s, error, where, watcher)
             continue
         prefix = f"{contract.GENERATION_PREFIX}{generation}"
         worker.event("init_done", generation=generation, prefix=prefix)
@@ -139,7 +140,7 @@ def in_process(train: Callable[[], T], *, timeout_s: float = 60.0, wait_s: float
             worker.event("peer_failure", generation=generation, error=error[:300])
             del e  # its traceback holds the failed generation's model and groups
             _abandon(generation)
-            generation = _next_generation(store, generation, wait_s, error, where)
+            generation = _next_generation(store, generation, wait_s, error, where, watcher)
             continue
         watcher.watch(None)
         worker.event("train_done", generation=generation)  # no heartbeats from here on
@@ -218,12 +219,17 @@ class AbortWatcher(threading.Thread):
         self.store = store
         self.generation: int | None = None
         self.done: int | None = None  # the generation aborted last
+        self.begun = 0  # the newest generation whose start was announced
+        self.gone: BaseException | None = None  # the store's error, once it is gone
 
     def watch(self, generation: int | None) -> None:
         self.generation = generation
 
     def fired(self, generation: int) -> bool:
         return self.done == generation
+
+    def started(self, generation: int) -> bool:
+        return self.begun >= generation
 
     def run(self) -> None:
         while True:
@@ -235,10 +241,17 @@ class AbortWatcher(threading.Thread):
                 # Generation g ends only by this key (the supervisor sets it before it
                 # starts the next one), or by training ending, when nobody cares.
                 self.store.wait([f"{contract.ABORT_KEY}-{g}"], timedelta(days=1))
-            except Exception:  # the store is gone: there is no recovery to watch for
+            except Exception as e:  # the store is gone: there is no recovery to watch for
+                self.gone = e
                 return
             self.done = g
             worker.event("abort", generation=g, connections=abort.shutdown(g))
+            try:  # then the next one's start, which this rank waits for (`_next_generation`)
+                self.store.wait([f"{contract.STARTED_KEY}-{g + 1}"], timedelta(days=1))
+            except Exception as e:
+                self.gone = e
+                return
+            self.begun = max(self.begun, g + 1)
 
 
 def _abandon(generation: int) -> None:
@@ -300,26 +313,25 @@ def _generation(store: Any) -> int:
     return int(store.add(contract.GENERATION_KEY, 0))
 
 
-def _next_generation(store: Any, generation: int, wait_s: float, error: str, where: str) -> int:
+def _next_generation(
+    store: Any, generation: int, wait_s: float, error: str, where: str, watcher: AbortWatcher
+) -> int:
     """The first generation after ``generation``, once the supervisor starts it: within
     `ACK_S` if it never aborted ``generation`` (it saw no failure), else within
-    ``wait_s`` (it is waiting for a replacement), beating the heartbeat meanwhile."""
+    ``wait_s`` (it is waiting for a replacement), beating the heartbeat meanwhile. The
+    watcher's connection waits for both announcements: no request to the store from here
+    until the next generation started (thousands of waiting ranks polling it would be
+    hundreds of thousands of requests a second)."""
     started = time.monotonic()
-    recovering = False
-    while True:
-        try:
-            now = _generation(store)
-            recovering = recovering or store.check([f"{contract.ABORT_KEY}-{generation}"])
-        except Exception as e:
+    while not watcher.started(generation + 1):
+        if watcher.gone is not None:
             raise InProcessError(
                 f"a peer failed ({error}) and the supervisor's store at {where} is gone "
-                f"({e}); {FALLBACK}"
-            ) from None
-        if now > generation:
-            return now
+                f"({watcher.gone}); {FALLBACK}"
+            )
         _waiting()
         waited = time.monotonic() - started
-        if not recovering and waited > min(ACK_S, wait_s):
+        if not watcher.fired(generation) and waited > min(ACK_S, wait_s):
             raise InProcessError(
                 f"a collective failed ({error}) but the supervisor saw no failure within "
                 f"{min(ACK_S, wait_s):g} s: no peer died, so this is an error of the training "
@@ -331,7 +343,33 @@ def _next_generation(store: Any, generation: int, wait_s: float, error: str, whe
                 "add standby capacity (--warm-spare, a standby node), or give "
                 "in_process(wait_s=...) more time"
             )
-        time.sleep(0.01 if waited < 1.0 else 0.1)
+        time.sleep(0.01)  # local: the watcher's flags
+    try:
+        return _generation(store)
+    except Exception as e:
+        raise InProcessError(
+            f"a peer failed ({error}) and the supervisor's store at {where} is gone "
+            f"({e}); {FALLBACK}"
+        ) from None
+
+
+@contextlib.contextmanager
+def _beating() -> Iterator[None]:
+    """`_waiting`'s heartbeats from a thread while the block runs (a rendezvous blocks in
+    C++); the join's own timeout and the generation's abort still end it."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(worker.HEARTBEAT_INTERVAL_S):
+            _waiting()
+
+    beater = threading.Thread(target=beat, name="unbroken-joining", daemon=True)
+    beater.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beater.join()
 
 
 def _waiting() -> None:

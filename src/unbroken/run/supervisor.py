@@ -354,6 +354,7 @@ class Supervisor:
         self.recoveries += 1
         self.abort(ranks)
         self.generation = int(self.store.add(contract.GENERATION_KEY, 1))
+        self.store.set(f"{contract.STARTED_KEY}-{self.generation}", "")  # survivors wait on it
         self.generation_t = time.time()
         self.timeline.add(
             "generation",
