@@ -58,7 +58,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.run import cli, contract, coordinator, inprocess, listen, silence
+from unbroken.run import cli, contract, coordinator, inprocess, listen, silence, watcher
 from unbroken.run.agent import NodeAgent
 from unbroken.run.listen import LOOPBACK
 from unbroken.run.news import Listener
@@ -179,7 +179,7 @@ class Sim:
             self.errors.append(f"rank {rank}: {e}")
 
 
-class _Followed(inprocess.AbortWatcher):
+class _Followed(watcher.AbortWatcher):
     """What a rank's watcher knows once generation ``g`` was aborted and ``g + 1``
     started (the two waits its thread makes, made on the rank's thread): never started."""
 

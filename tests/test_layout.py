@@ -83,7 +83,7 @@ def test_library_pipelines_never_import_the_facade():
 # The top level holds the public API; the wings are its subpackages. Lowest first: a part
 # may import only parts before it (one way, so no two wings ever need each other).
 ORDER = (
-    *("errors", "access", "state", "policies", "retention", "preemption", "options"),
+    *("errors", "access", "tree", "state", "policies", "retention", "preemption", "options"),
     *("job", "run", "storage", "format", "sdc", "memory", "restoring", "healing", "saving"),
     *("dcp", "lightning", "checkpointer", "unbroken", "goodput", "data", "demo", "cli"),
     "__main__",

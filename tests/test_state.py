@@ -6,8 +6,8 @@ import torch
 
 import unbroken
 from unbroken.errors import CheckpointError
-from unbroken.format.tree import decode, tensor_keys
 from unbroken.state import capture
+from unbroken.tree import decode, tensor_keys
 
 
 def test_public_api_is_small_and_importable():

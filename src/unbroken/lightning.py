@@ -30,7 +30,6 @@ import torch
 from unbroken.errors import CheckpointError
 from unbroken.format.directory import Directory
 from unbroken.format.offline import read_all
-from unbroken.format.tree import decode
 from unbroken.job.background import SaveThread, wait_for
 from unbroken.job.comm import Comm
 from unbroken.retention import KeepLast
@@ -38,6 +37,7 @@ from unbroken.saving import pipeline as saving
 from unbroken.saving.committed import Collector
 from unbroken.saving.staging import Stager
 from unbroken.storage import open_storage
+from unbroken.tree import decode
 
 try:
     from lightning_fabric.plugins.io import CheckpointIO as _Base

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from unbroken.errors import CheckpointError
-from unbroken.format.tree import ITEMS, TENSOR, TUPLE, Json
+from unbroken.tree import ITEMS, TENSOR, TUPLE, Json
 
 
 @runtime_checkable

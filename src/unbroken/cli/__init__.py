@@ -10,5 +10,5 @@ commands other wings own (run, coordinator, demo, goodput, simulate), started la
 
 Entry points: main.
 May import: access, data, dcp, demo, errors, format, goodput, retention, run, saving, sdc,
-state, storage.
+state, storage, tree.
 """

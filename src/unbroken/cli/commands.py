@@ -129,7 +129,7 @@ def _ls_table(path: str, directory: Directory, steps: list[int]) -> bool:
 
 def show(opts: argparse.Namespace) -> int:
     from unbroken.format import marks
-    from unbroken.format.tree import leaves
+    from unbroken.tree import leaves
 
     directory = open_directory(opts)
     m = directory.manifest(opts.step)

@@ -67,7 +67,7 @@ def any_damaged(listing: dict[str, Any]) -> bool:
 
 
 def show(path: str, m: Manifest) -> dict[str, Any]:
-    from unbroken.format.tree import leaves
+    from unbroken.tree import leaves
 
     return {
         "path": path,

@@ -13,7 +13,7 @@ planner turns into ``torch.save`` bytes, are stored and verified as opaque bytes
 default load planner unpickles them when it loads them (DCP's behaviour, not unbroken's).
 
 Entry points: convert.
-May import: access, errors, format, job, state, storage.
+May import: access, errors, format, job, state, storage, tree.
 """
 
 from unbroken.dcp._layout import latest

@@ -50,8 +50,8 @@ from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format.directory import Directory
 from unbroken.format.layout import MANIFEST, Manifest, dtype_name, step_dir
 from unbroken.format.shards import byte_view, fill, read_chunk, write_blocks
-from unbroken.format.tree import decode, tensor_keys
 from unbroken.storage import Storage, open_storage
+from unbroken.tree import decode, tensor_keys
 
 DCP_METADATA = ".metadata"
 _DCP_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")

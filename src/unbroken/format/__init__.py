@@ -10,8 +10,11 @@ requests, the write plan). It knows nothing of saving, restoring or memory tiers
     coalesce    byte ranges -> read requests (merged, split, issued)
     shards      tensor bytes between memory and shard files
     write_plan  who writes what: every rank's blocks -> a write plan (pure)
-    offline     whole-checkpoint work in one process: verify, consolidate
+    offline     whole-checkpoint work in one process: consolidating weights
+    audit       every stored byte of a step re-read and checked (`unbroken verify`)
+    marks       a step's suspect mark (divergent replicas), read without torch
 
-Entry points: layout, validate, directory, blockio, shards, write_plan, offline.
+Entry points: layout, validate, directory, blockio, shards, write_plan, offline, audit,
+marks.
 May import: errors, job, run, storage.
 """

@@ -11,5 +11,5 @@ bitwise.
     ddp_buckets  DDP's gradient bucket layout across restarts
 
 Entry points: stepper, records.
-May import: access, errors, format, job, memory, restoring, run, state.
+May import: access, errors, format, job, memory, restoring, run, state, tree.
 """

@@ -38,9 +38,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from unbroken.errors import CheckpointError
-from unbroken.format.tree import decode
 from unbroken.healing import records
 from unbroken.healing.records import Record
+from unbroken.tree import decode
 
 _lock = threading.Lock()
 _own: dict[str, dict[int, Record]] = {}  # job -> after -> this process's prepared records

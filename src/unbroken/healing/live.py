@@ -46,7 +46,6 @@ from torch.optim import Optimizer
 from unbroken.errors import CheckpointError
 from unbroken.format.layout import checksum, dtype_name, verify_block
 from unbroken.format.shards import byte_view
-from unbroken.format.tree import decode
 from unbroken.healing import inflight, messages, records
 from unbroken.healing.messages import Meta
 from unbroken.healing.peers import local, replicated_entries, shard_peers
@@ -56,6 +55,7 @@ from unbroken.job.comm import Comm
 from unbroken.restoring.sources import Origin, Restored
 from unbroken.run import faults
 from unbroken.state import Captured, capture, init_state, is_stateful, param_indices
+from unbroken.tree import decode
 
 log = logging.getLogger("unbroken")
 

@@ -25,11 +25,11 @@ from torch.optim import Optimizer
 
 from unbroken.errors import CheckpointError
 from unbroken.format.layout import TORCH_DTYPES, checksum
+from unbroken.format.validate import MAX_STEP, tensor_bytes
 
 # The encoding's markers (`unbroken.state.capture`): a tensor placeholder, a tuple, a
 # dict whose keys are not plain strings.
-from unbroken.format.tree import ITEMS, TENSOR, TUPLE
-from unbroken.format.validate import MAX_STEP, tensor_bytes
+from unbroken.tree import ITEMS, TENSOR, TUPLE
 
 MAX_DEPTH = 100  # a state tree's nesting (an optimizer's is 5 deep): decoding recurses
 MAX_HELD = 64  # steps a row may say it holds for one rank (records keep 2)

@@ -33,11 +33,11 @@ from torch.optim import Optimizer
 from unbroken.errors import CheckpointError
 from unbroken.format.layout import checksum, dtype_name, torch_dtype
 from unbroken.format.shards import byte_view
-from unbroken.format.tree import tensor_keys
 from unbroken.format.validate import MAX_STEP, MAX_WORLD
 from unbroken.healing import messages
 from unbroken.job.comm import Comm
 from unbroken.state import capture
+from unbroken.tree import tensor_keys
 
 KEEP = 2  # records kept per rank: the newest may be half-sent when a peer dies
 SAMPLES = 16  # elements sampled per tensor for a fingerprint

@@ -11,5 +11,5 @@ was when a restore fails.
     backup       a failed restore leaves the live state as it was
 
 Entry points: pipeline, sources, reshard.
-May import: errors, format, job, memory, run, sdc, state, storage.
+May import: errors, format, job, memory, run, sdc, state, storage, tree.
 """

@@ -24,7 +24,6 @@ from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format.directory import Directory
 from unbroken.format.layout import Manifest
 from unbroken.format.shards import dtensor_offsets, overlap
-from unbroken.format.tree import decode, prune, tensor_keys
 from unbroken.format.validate import stored_enough
 from unbroken.job.comm import Comm
 from unbroken.memory.tier import MemoryTier
@@ -35,6 +34,7 @@ from unbroken.restoring.reshard import saved_objects
 from unbroken.restoring.sources import Origin, Restored
 from unbroken.restoring.step_choice import Choice, choose, fell_back
 from unbroken.state import Captured, init_state, is_stateful
+from unbroken.tree import decode, prune, tensor_keys
 
 __all__ = ["Origin", "RestoreContext", "Restored", "restore"]
 

@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 from unbroken.errors import CheckpointError
 from unbroken.format.layout import Manifest
-from unbroken.format.tree import decode, tensor_keys
 from unbroken.state import capture
+from unbroken.tree import decode, tensor_keys
 
 log = logging.getLogger("unbroken")
 

@@ -23,6 +23,7 @@ import torch only inside the calls that need it. The modules:
     faults      fault specs (--inject-fault)
     worker      worker side: heartbeats, events, faults, init_process_group
     inprocess   worker side of in-process recovery: in_process(train)
+    watcher     an in-process rank's abort watcher: the abort, then the next generation
     spare       warm spares (--warm-spare), both sides
     args        the command line: ours, torchrun's, the script's
     procs       process trees: kill_tree, descendants, alive
