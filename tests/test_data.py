@@ -36,6 +36,7 @@ from unbroken.data import (
 )
 from unbroken.data.files import sidecar
 from unbroken.demo.model import load_corpus
+from unbroken.errors import CheckpointError
 
 SEQ = 4
 
@@ -173,6 +174,27 @@ def test_stateful_dataloader_resumes_through_a_checkpoint(
         assert ckpt.restore({"data": again}) == 17
     rest = [_indices(b) for b in again] + [_indices(b) for b in again]
     assert rest == reference[17:]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("saved", "live"), [(2, 3), (0, 2), (2, 0)])
+def test_a_stateful_dataloader_restored_with_other_workers_is_refused_at_the_restore(
+    dataset: TokenDataset, tmp_path: Path, saved: int, live: int
+) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make(workers: int) -> DataLoader:
+        sampler = ResumableSampler(dataset, 2, seed=3, rank=1, world_size=2)
+        return stateful.StatefulDataLoader(dataset, batch_sampler=sampler, num_workers=workers)
+
+    loader = make(saved)
+    it = iter(loader)
+    next(it)
+    with unbroken.Checkpointer(tmp_path / "ck") as ckpt:
+        ckpt.save(1, {"data": loader})
+        message = f"num_workers={saved}, this one has num_workers={live}"
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.restore({"data": make(live)})
 
 
 @pytest.mark.timeout(90)

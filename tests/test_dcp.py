@@ -129,6 +129,16 @@ def test_reader_explains_a_checkpoint_not_written_through_dcp(tmp_path):
         load_into_fresh(unbroken.dcp.Reader(path))
 
 
+@pytest.mark.timeout(30)
+def test_reader_on_a_native_dcp_folder_points_to_its_reader_and_convert(tmp_path):
+    path = str(tmp_path / "native")
+    dcp.save(dcp_state(*build(seed=0)), storage_writer=FileSystemWriter(path))
+    with pytest.raises(CheckpointException) as failure:
+        load_into_fresh(unbroken.dcp.Reader(path))
+    error = str(failure.value.failures[0][0])
+    assert "FileSystemReader" in error and f"unbroken convert {path} DST --to unbroken" in error
+
+
 def _fsdp(rank: int, world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     """`build`'s model, FSDP2-sharded over ``world`` ranks, after one step of Adam."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -108,6 +108,16 @@ def test_model_checkpoint_keeps_the_top_k_and_last(uninterrupted):
     assert isinstance(loaded["optimizer_states"][0]["param_groups"][0]["params"], list)
 
 
+def test_load_from_checkpoint_reads_a_checkpoint_through_checkpoint_file(uninterrupted):
+    weights, _, path = uninterrupted
+    with pytest.raises(IsADirectoryError):  # Lightning's classmethod skips the plugin
+        example.Regression.load_from_checkpoint(path / "last.ckpt")
+    model = example.Regression.load_from_checkpoint(
+        unbroken.lightning.checkpoint_file(path / "last.ckpt")
+    )
+    assert same(model, weights)
+
+
 def test_save_last_as_a_link_points_at_the_newest_checkpoint(tmp_path):
     best = ModelCheckpoint(dirpath=tmp_path, save_top_k=1, monitor="val_loss", save_last="link")
     fit(CheckpointIO(), 2, callbacks=[best])

@@ -16,6 +16,7 @@ hyper-parameters) as JSON. A value JSON cannot hold is refused, naming its key, 
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import pickle
@@ -210,6 +211,22 @@ class CheckpointIO(_Base):
         for future in done:
             if (error := future.exception()) is not None:
                 raise CheckpointError(f"a background checkpoint save failed: {error}") from error
+
+
+def checkpoint_file(path: str | os.PathLike[str], allow_pickle: bool = False) -> io.BytesIO:
+    """The checkpoint saved as ``path`` as the file Lightning's classmethods read:
+
+    >>> model = MyModule.load_from_checkpoint(unbroken.lightning.checkpoint_file("last.ckpt"))
+
+    ``load_from_checkpoint`` does not go through the Trainer's plugins: given the path
+    itself, it reads a directory with `torch.load` and fails with ``IsADirectoryError``. This
+    reads it with `CheckpointIO` (every byte checked) and hands Lightning the same dict
+    as a ``torch.save`` stream, which its ``weights_only`` load accepts."""
+    checkpoint = CheckpointIO(allow_pickle=allow_pickle).load_checkpoint(path)
+    stream = io.BytesIO()
+    torch.save(checkpoint, stream)
+    stream.seek(0)
+    return stream
 
 
 def _locate(t: torch.Tensor, map_location: Any) -> torch.Tensor:

@@ -163,13 +163,28 @@ def latest(
     return Directory(open_storage(text, storage_options), text).latest()
 
 
+def _dcp(directory: Directory) -> str:
+    """What to do where ``directory`` is a checkpoint of DCP's own writer (its
+    ``.metadata``, a pickle), else nothing."""
+    if ".metadata" not in directory.storage.list(""):
+        return ""
+    return (
+        ": it is a checkpoint of DCP's own FileSystemWriter (it has .metadata). Read it "
+        "with torch.distributed.checkpoint.FileSystemReader, or convert it once, if you "
+        f"trust where it came from (.metadata is a pickle): `unbroken convert {directory.path} "
+        "DST --to unbroken --trust-pickle`, then read DST with unbroken.dcp.Reader"
+    )
+
+
 def read_manifest(directory: Directory, step: int | None) -> tuple[Manifest, dict[str, Any]]:
     """The manifest of ``step`` (default: the newest committed), parsed and as raw JSON
     (which holds the ``"dcp"`` field when there is one); one read."""
     if step is None:
         step = directory.latest()
         if step is None:
-            raise CheckpointError(f"{directory.path} holds no committed checkpoint")
+            raise CheckpointError(
+                f"{directory.path} holds no committed checkpoint{_dcp(directory)}"
+            )
     name = f"{step_dir(step)}/{MANIFEST}"
     where = f"{directory.path}/{name}"
     try:

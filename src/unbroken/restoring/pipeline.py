@@ -188,6 +188,7 @@ def _select(
         _mismatch(where, "state entry", state.keys() - saved.keys(), saved.keys() - names)
     tree = {}
     for name in names:
+        _same_workers(name, state[name], saved[name])  # before anything is read
         keys = set(tensor_keys(saved[name]))
         if isinstance(state[name], nn.Module):
             here = {k for k in current if k.startswith(f"{name}/")}
@@ -254,6 +255,25 @@ def _apply(
             target.load_state_dict(value)
         elif not isinstance(target, torch.Tensor):
             state[name] = value
+
+
+def _same_workers(name: str, target: Any, value: Any) -> None:
+    """torchdata's StatefulDataLoader takes a state saved with another ``num_workers``
+    and fails only at its first batch, with a bare AssertionError: refuse it here."""
+    if not type(target).__module__.startswith("torchdata") or not isinstance(value, dict):
+        return
+    if "_snapshot" in value:
+        saved = value["_snapshot"].get("_main_snapshot", {}).get("_num_workers")
+    else:
+        saved = 0 if "_num_yielded" in value else None
+    live = getattr(target, "num_workers", None)
+    if saved is not None and live is not None and saved != live:
+        raise CheckpointError(
+            f"state {name!r}: the checkpoint's StatefulDataLoader ran with num_workers="
+            f"{saved}, this one has num_workers={live}; torchdata resumes a position only "
+            f"with as many workers: build the loader with num_workers={saved} to resume "
+            f"exactly, or leave {name!r} out of the restore to start its epoch afresh"
+        )
 
 
 def _mismatch(where: str, what: str, missing: set[str], unexpected: set[str]) -> None:
