@@ -40,7 +40,11 @@ between two disk checkpoints:
     SIGSTOPped after the fault step, no connection closes (a hung kernel, a cut network).
     The coordinator pings the agent whose beat is silent for --ping-after (0.4 s) and
     loses the node when the ping goes unanswered for --answer-timeout (0.25 s). Target:
-    the next step within 2 s of the stop, no step lost.
+    the next step within 2 s of the stop, no step lost;
+(j) as (g), the job's store in a 3-member etcd cluster on loopback (tests/servers/etcd.py)
+    with two ``unbroken coordinator --etcd``: the leading coordinator is killed together
+    with node 0; the standby coordinator takes the lead once the leader's etcd lease
+    expires (3 s) and the job heals live. Target: no step lost.
 
 Restart-all across nodes ((d)): the "restart" phase is how long the surviving agent took
 to drop the lost node from the rendezvous and restart its workers (keep-alive 2 x 1 s).
@@ -96,8 +100,8 @@ def main() -> None:
     parser, args = parse()
     scaling_ranks = tuple(int(n) for n in args.scaling_ranks.split(",") if n.strip())
     chosen = set(args.scenarios.replace(",", ""))
-    if not chosen or chosen - set("abcdefgi"):
-        parser.error(f"--scenarios {args.scenarios!r}: pick from a to g, and i")
+    if not chosen or chosen - set("abcdefgij"):
+        parser.error(f"--scenarios {args.scenarios!r}: pick from a to g, i and j")
 
     workdir = disk_workdir(parser, args.dir, "unbroken-recovery-")
     cfg = RecoveryConfig(
@@ -164,8 +168,8 @@ def parse() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     )
     parser.add_argument(
         "--scenarios",
-        default="abcdefgi",
-        help="which of a-g and i to run (default: all; (a) is the base)",
+        default="abcdefgij",
+        help="which of a-g, i and j to run (default: all; (a) is the base)",
     )
     parser.add_argument(
         "--scaling-ranks",

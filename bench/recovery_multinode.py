@@ -38,6 +38,9 @@ from recovery_jobs import WORKER, JobFailed, failed, read_events, worker_args
 from recovery_scenarios import PHASES, RecoveryConfig, Scenario
 from unbroken.run.procs import descendants
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from servers.etcd import LocalEtcd  # tests/servers: the tests start it too
+
 NODE_TIMEOUT_S = 1.0
 JOB_TIMEOUT_S = 300.0
 DETECTED_BY = {False: "a rank's report, the coordinator's ping", True: "a ping of the silent agent"}
@@ -46,16 +49,19 @@ DETECTED_BY = {False: "a rank's report, the coordinator's ping", True: "a ping o
 os.environ.setdefault("UNBROKEN_JOB_SECRET", secrets.token_hex(32))
 
 
-def start_coordinator(where: Path) -> tuple[subprocess.Popen[str], int]:
-    cmd = [sys.executable, "-m", "unbroken", "coordinator", "--host=127.0.0.1", "--port=0",
+def start_coordinator(where: Path, etcd: str | None = None) -> tuple[subprocess.Popen[str], str]:
+    """A coordinator, and the nodes' --rdzv-endpoint: its address, or the ``etcd`` URL
+    (where it must lead before it returns)."""
+    store = [f"--etcd={etcd}"] if etcd else ["--host=127.0.0.1", "--port=0"]
+    cmd = [sys.executable, "-m", "unbroken", "coordinator", *store,
            f"--node-timeout={NODE_TIMEOUT_S:g}", "--exit-when-done"]  # fmt: skip
-    with open(where / "coordinator.log", "w") as log:
+    with open(where / f"coordinator-{len(list(where.glob('coordinator*')))}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    if "listening on" not in line:
+    if ("leading the job" if etcd else "listening on") not in line:
         raise JobFailed(f"the coordinator did not start: {line!r}")
-    return proc, int(line.rsplit(":", 1)[1])
+    return proc, etcd or f"127.0.0.1:{line.rsplit(':', 1)[1].strip()}"
 
 
 def run_multinode_scenario(cfg: RecoveryConfig, sc: Scenario) -> dict[str, Any]:
@@ -77,7 +83,10 @@ def run_multinode(cfg: RecoveryConfig, sc: Scenario, where: Path) -> dict[str, A
     """Run the job; the launcher-side events (absolute times) and the fault's moment."""
     job = f"bench-{uuid.uuid4().hex[:8]}"
     shm = Path(f"/dev/shm/unbroken-{job}")
-    coordinator, port = start_coordinator(where)
+    etcd = LocalEtcd(where) if sc.etcd else None
+    coordinator, endpoint = start_coordinator(where, etcd.url(job) if etcd else None)
+    # (j): a standby coordinator, which takes the lead when the leader dies with node 0.
+    standby = start_standby(where, endpoint) if etcd else None
     agents: list[subprocess.Popen[bytes]] = []
 
     def agent(node: int | None) -> None:
@@ -86,7 +95,7 @@ def run_multinode(cfg: RecoveryConfig, sc: Scenario, where: Path) -> dict[str, A
             sys.executable, "-m", "unbroken", "run", *sc.launcher, f"--nnodes={cfg.nodes}",
             f"--nproc-per-node={cfg.nproc_per_node}",
             *([] if node is None else [f"--node-rank={node}"]),
-            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}", "--max-restarts=2",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", "--max-restarts=2",
             f"--heartbeat-timeout={cfg.heartbeat_timeout:g}",
             *([] if sc.stop else [f"--inject-fault={sc.fault}"]),
             f"--timeline-json={where / f'agent-{i}.json'}", str(WORKER),
@@ -113,16 +122,18 @@ def run_multinode(cfg: RecoveryConfig, sc: Scenario, where: Path) -> dict[str, A
         if sc.stop:
             fault_t = wait_stopped(agents, agents[cfg.nodes - 1], deadline, where)
         else:
-            fault_t = wait(agents, deadline, where)
-        coordinator.wait(timeout=30)
+            fault_t = wait(agents, deadline, where, coordinator if standby else None)
+        (standby or coordinator).wait(timeout=30)
     finally:
         if sc.stop and agents[cfg.nodes - 1 :]:
             release(agents[cfg.nodes - 1])
-        procs: list[subprocess.Popen[Any]] = [*agents, coordinator]
+        procs: list[subprocess.Popen[Any]] = [*agents, coordinator, *([standby] if standby else [])]
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        if etcd is not None:
+            etcd.close()
         shutil.rmtree(shm, ignore_errors=True)
     events = []
     for path in sorted(where.glob("agent-*.json")):
@@ -131,12 +142,28 @@ def run_multinode(cfg: RecoveryConfig, sc: Scenario, where: Path) -> dict[str, A
     return {"fault_t": fault_t, "events": events}
 
 
-def wait(agents: list[subprocess.Popen[bytes]], deadline: float, where: Path) -> float:
-    """Wait for the job's end; when the first agent died (wall clock)."""
+def start_standby(where: Path, url: str) -> subprocess.Popen[str]:
+    """(j): a second coordinator on the same etcd, standing by for the lead."""
+    cmd = [sys.executable, "-m", "unbroken", "coordinator", f"--etcd={url}",
+           f"--node-timeout={NODE_TIMEOUT_S:g}", "--exit-when-done"]  # fmt: skip
+    with open(where / "coordinator-standby.log", "w") as log:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+
+
+def wait(
+    agents: list[subprocess.Popen[bytes]],
+    deadline: float,
+    where: Path,
+    leader: subprocess.Popen[str] | None = None,
+) -> float:
+    """Wait for the job's end; when the first agent died (wall clock). (j): ``leader``,
+    the leading coordinator, is killed at that moment too."""
     fault_t = None
     while any(a.poll() is None for a in agents):
         if fault_t is None and any(a.poll() is not None for a in agents):
             fault_t = time.time()
+            if leader is not None:
+                leader.kill()
         if time.monotonic() > deadline:
             raise JobFailed(f"timed out after {JOB_TIMEOUT_S:g} s", tail(where))
         time.sleep(0.01)

@@ -51,6 +51,7 @@ class Scenario:
     multinode: bool = False  # a coordinator and one node agent per node (recovery_multinode)
     live: bool = False  # the worker calls Checkpointer.step every step
     stop: bool = False  # multinode: the node is SIGSTOPped (silent), not killed
+    etcd: bool = False  # multinode: the store in etcd; the leading coordinator dies too
     launcher: tuple[str, ...] = ()  # options of `unbroken run` beyond the common ones
 
     @property
@@ -149,6 +150,22 @@ def multinode(cfg: RecoveryConfig) -> list[Scenario]:
             live=True,
             launcher=("--in-process", "--warm-spare"),
             stop=True,
+        )
+    )
+    out.append(
+        Scenario(
+            "j",
+            "(j) multi-node on etcd, live: rank 0's node and the coordinator lost",
+            "(j) as (g), the store in a 3-member etcd cluster: node 0 and the leading "
+            "coordinator die together; the standby coordinator takes the lead (its etcd "
+            "lease expires in 3 s) and the lost node heals live",
+            f"kill-node node=0 step={cfg.fault_step}",  # and the leading coordinator, then
+            memory_every=cfg.memory_every,
+            replicas=1,
+            multinode=True,
+            live=True,
+            launcher=("--in-process", "--warm-spare"),
+            etcd=True,
         )
     )
     return out

@@ -157,3 +157,20 @@ class BackupSpy:
 def backups(monkeypatch: pytest.MonkeyPatch) -> BackupSpy:
     """From now on in this test, how many bytes restores back up (``backups.nbytes``)."""
     return BackupSpy(monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted multi-node run (tests/test_multinode.py's `Cluster`) every
+    multi-node case is compared with; tests/test_etcd.py's too: where the store is does
+    not change a bit of the training."""
+    from test_multinode import Cluster, run_plain
+
+    c = Cluster(tmp_path_factory.mktemp("reference"))
+    try:
+        run = run_plain(c)
+    finally:
+        c.close()
+    assert len({p for p in run["params"]}) == 1  # DDP: every rank agrees
+    assert {s["seen_generation"] for s in run["starts"]} == {0}
+    return run

@@ -48,29 +48,31 @@ class Cluster:
         self.out = tmp / "out"
         self.out.mkdir(parents=True)
         self.shm: list[Path] = []
-        self.coordinator = subprocess.Popen(
+        self.agents: list[subprocess.Popen[bytes]] = []
+        self.coordinators: list[subprocess.Popen[str]] = []
+        self.coordinator = self.coordinate()
+
+    def coordinate(self) -> subprocess.Popen[str]:
+        """Start the job's coordinator; set `endpoint`, the nodes' --rdzv-endpoint."""
+        coordinator = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "unbroken",
-                "coordinator",
-                "--host=127.0.0.1",
-                "--port=0",
-                "--node-timeout=1.5",
-                "--exit-when-done",
+                *(sys.executable, "-m", "unbroken", "coordinator", "--host=127.0.0.1"),
+                *("--port=0", "--node-timeout=1.5", "--exit-when-done"),
             ],
             stdout=subprocess.PIPE,
-            stderr=(err := log_fd(tmp / "coordinator.err")),
+            stderr=(err := log_fd(self.tmp / "coordinator.err")),
             text=True,
             env=ENV,
             start_new_session=True,
         )
         os.close(err)
-        assert self.coordinator.stdout is not None
-        line = self.coordinator.stdout.readline()
+        assert coordinator.stdout is not None
+        line = coordinator.stdout.readline()
         assert "listening on" in line, line
         self.port = int(line.rsplit(":", 1)[1])
-        self.agents: list[subprocess.Popen[bytes]] = []
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.coordinators.append(coordinator)
+        return coordinator
 
     def agent(self, node: int | None) -> subprocess.Popen[bytes]:
         """Start a node agent: ``node`` is its --node-rank, None to take a free slot."""
@@ -84,7 +86,7 @@ class Cluster:
             f"--nnodes={NODES}",
             f"--nproc-per-node={LOCAL}",
             *([f"--node-rank={node}"] if node is not None else []),
-            f"--rdzv-endpoint=127.0.0.1:{self.port}",
+            f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.job}",
             "--max-restarts=3",
             *self.options,
@@ -139,7 +141,7 @@ class Cluster:
         SIGCONT first, so that none is left behind stopped)."""
         from unbroken.run.procs import descendants, kill_tree
 
-        procs: list[subprocess.Popen[Any]] = [self.coordinator, *self.agents]
+        procs: list[subprocess.Popen[Any]] = [*self.coordinators, *self.agents]
         for proc in procs:
             if proc.poll() is None:
                 for pid in [proc.pid, *descendants(proc.pid)]:
@@ -168,18 +170,6 @@ def run_plain(c: Cluster) -> dict:
     c.agent(0)
     c.agent(1)
     return c.finish()
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    c = Cluster(tmp_path_factory.mktemp("reference"))
-    try:
-        run = run_plain(c)
-    finally:
-        c.close()
-    assert len({p for p in run["params"]}) == 1  # DDP: every rank agrees
-    assert {s["seen_generation"] for s in run["starts"]} == {0}
-    return run
 
 
 def check(run: dict, reference: dict, replaced: set[int], healed: bool = True) -> None:

@@ -111,7 +111,7 @@ def _elsewhere(name: str) -> Callable[[list[str]], int]:
         from unbroken.goodput.simulate_cli import main as simulate
 
         return simulate
-    from unbroken.run.coordinator import main as coordinator
+    from unbroken.run.coordinator_cli import main as coordinator
 
     return coordinator
 

@@ -34,12 +34,14 @@ import torch only inside the calls that need it. The modules:
     supervisor  in-process: one process per rank, failed ranks replaced alone
     agent       in-process across machines: one node agent per node
     coordinator ``unbroken coordinator``: node slots, node loss, generations
+    coordinator_cli  its command line
+    etcd        the job's store in etcd: no single point of failure (--etcd)
     cli         main(argv) and the poll loop that drives either mode
     measure     how long process-group initialisation takes
     rundir      the run directory `unbroken run` keeps, and reading its event logs
 
 Entry points: contract, faults, worker, inprocess, procs, rundir, timeline, nodes, cli,
-coordinator.
+coordinator, coordinator_cli, etcd.
 May import: access, errors, job.
 """
 

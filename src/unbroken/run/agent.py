@@ -31,9 +31,8 @@ import signal
 import threading
 import time
 import uuid
-from datetime import timedelta
 
-from unbroken.run import contract, gate
+from unbroken.run import contract, gate, listen
 from unbroken.run.args import RunOptions, endpoint
 from unbroken.run.listen import LOOPBACK
 from unbroken.run.news import Listener, announce, answer_pings, beat
@@ -105,19 +104,16 @@ class NodeAgent(Supervisor):
         return env
 
     def start(self) -> None:
-        import torch.distributed as dist
-
         where = self.where
-        try:
-            self.relay = gate.relay_to(self.host, self.port, self.opts.ours.secret_file)
+        try:  # etcd: its own TLS (`unbroken.run.etcd`); else the coordinator's gate
+            secret = self.opts.ours.secret_file
+            self.relay = None if self.port == 0 else gate.relay_to(self.host, self.port, secret)
         except (gate.GateError, OSError) as e:
             raise SystemExit(f"unbroken run: {e}") from None
         if self.relay is not None:  # every connection to the coordinator passes its gate
             self.host, self.port = LOOPBACK, self.relay.port
         try:
-            self.store = dist.TCPStore(
-                self.host, self.port, timeout=timedelta(seconds=60), wait_for_workers=False
-            )
+            self.store = listen.connect(self.host, self.port, 60.0)
         except Exception as e:
             why = e if self.relay is None or self.relay.failure is None else self.relay.failure
             raise SystemExit(

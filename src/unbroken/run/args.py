@@ -312,7 +312,10 @@ def _int(text: str) -> int | None:
 
 
 def endpoint(targs: argparse.Namespace) -> tuple[str, int]:
-    """The coordinator's address: ``--rdzv-endpoint``, else ``--master-addr/--master-port``."""
+    """The coordinator's address: ``--rdzv-endpoint`` (an ``etcd://`` URL as is, port 0),
+    else ``--master-addr/--master-port``."""
+    if targs.rdzv_endpoint and targs.rdzv_endpoint.startswith(("etcd://", "etcds://")):
+        return targs.rdzv_endpoint, 0  # the job's etcd cluster (`unbroken.run.etcd`)
     if targs.rdzv_endpoint:
         host, _, port = targs.rdzv_endpoint.rpartition(":")
         return (host or targs.rdzv_endpoint), int(port or 29400)

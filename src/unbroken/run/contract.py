@@ -54,6 +54,7 @@ AGENT_PREFIX = "unbroken/agent-"  # +<id>/beat: a counter the agent bumps, its h
 DONE_SUFFIX = "done"  # <slot key>/done: the node's ranks all finished training
 SPAWN_KEY = "spawn"  # unbroken/gen-<g>/spawn-<agent id>: JSON ranks to start for g
 SETTLED_KEY = "settled"  # unbroken/gen-<g>/settled-<agent id>: JSON ranks the node lost
+MEMBERS_KEY = "unbroken/members"  # -<g>: JSON {slot: agent id} once g's orders are all set
 SUSPECT_KEY = "unbroken/suspect"  # -<g>: "<rank>," per worker that saw a peer vanish in g
 PING_SUFFIX = "ping"  # unbroken/agent-<id>/ping: a counter; /ping-<n>: beat now, please
 # A counter of the agents waiting for a node slot (standbys): a coordinator told to exit

@@ -1,6 +1,7 @@
 """``unbroken coordinator``: the store and the referee of a multi-node in-process job.
 
     unbroken coordinator --port 29400          # on a machine that is not a training node
+    unbroken coordinator --etcd etcd://e0:2379,e1:2379,e2:2379/job-1   # or: the store in etcd
     unbroken run --in-process --nnodes 2 --nproc-per-node 8 \\
         --rdzv-endpoint coordinator:29400 --rdzv-id job-1 train.py   # on every node
 
@@ -11,8 +12,12 @@ survivors about where it went, at the very moment one of them is gone. A small p
 that holds no training state (a few keys, no tensors), restarted by Kubernetes like any
 Deployment, is simpler and sound: losing any training node, the one holding rank 0
 included, loses nothing the coordinator holds. It plays the part HyperPod's operator
-plays. What it cannot survive is its own loss: then the workers' `in_process` raises
-`InProcessError` and the job restarts (plain ``unbroken run`` semantics).
+plays. Hosting the store itself (the default), it cannot survive its own loss: then
+the workers' `in_process` raises `InProcessError` and the job restarts (plain ``unbroken
+run`` semantics). With ``--etcd`` the store is an etcd cluster (`unbroken.run.etcd`):
+the coordinator keeps nothing the store does not hold (`Coordinator.resume`), holds the
+lead on an etcd lease while it decides, and its loss stops no rank: a standby
+coordinator, or one restarted anywhere, takes over where the store says the job stands.
 
 What it decides, and nothing else (the node agents, `unbroken.run.agent`, do the rest):
 
@@ -43,20 +48,20 @@ What it decides, and nothing else (the node agents, `unbroken.run.agent`, do the
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 from unbroken.run import contract, gate, listen
 from unbroken.run.listen import LOOPBACK
 from unbroken.run.news import Listener, announce
-from unbroken.run.silence import ANSWER_S, DEFAULT, PING_AFTER_S, Beats, Silence, Verdict, ping
+from unbroken.run.silence import DEFAULT, Beats, Silence, Verdict, ping
 
 POLL_S = 0.02
 LOOK_S = 0.5  # at most this long between two looks at the store when nothing is announced
@@ -101,6 +106,22 @@ class Coordinator:
         self.news: Listener | None = None
         self.look_s = min(LOOK_S, node_timeout / 4)
         self.looked = -math.inf
+
+    def resume(self) -> None:
+        """Start where the store says the job stands: a coordinator that took over from
+        one that died (`serve` with etcd) goes on with its generation, and ends a start
+        it left half done; a new job's store says generation 0, not started."""
+        self.generation = int(self.store.add(contract.GENERATION_KEY, 0))
+        members = f"{contract.MEMBERS_KEY}-{self.generation}"
+        if not self.store.check([members]):
+            return
+        self.members = {int(s): a for s, a in json.loads(self.store.get(members)).items()}
+        self.started = True
+        started = f"{contract.STARTED_KEY}-{self.generation}"
+        if self.generation and not self.store.check([started]):
+            self.store.set(started, "")
+            announce(self.store)
+        log(f"took over at generation {self.generation}, node(s) {sorted(self.members)}")
 
     def poll(self) -> bool:
         """Look at the store if something was announced, a start or a recovery is under
@@ -209,13 +230,13 @@ class Coordinator:
 
     def _lose(self, slot: int, agent: str, why: str) -> None:
         log(f"node {slot} (agent {agent}) {why}: lost; slot {slot} is free")
-        self.store.delete_key(self._key(slot, "owner"))
-        self.beats.forget(agent)
-        self.watched.pop(slot, None)
-        if self.started:
+        if self.started:  # first: a coordinator that dies in between leaves a silent slot
             failed = list(range(slot * self.local, (slot + 1) * self.local))
             reason = {"failed": failed, "node": slot, "hang": False, "lost": why}
             self.store.compare_set(self._abort_key(), "", json.dumps(reason))
+        self.store.delete_key(self._key(slot, "owner"))
+        self.beats.forget(agent)
+        self.watched.pop(slot, None)
         announce(self.store)
 
     def _settled(self, owners: dict[int, str]) -> bool:
@@ -233,6 +254,8 @@ class Coordinator:
             ranks = lost[slot] if self.members.get(slot) == agent else mine
             key = contract.generation_key(self.generation, contract.SPAWN_KEY, agent)
             self.store.set(key, json.dumps(ranks))
+        # Last: a generation with members has every agent's orders (`resume`).
+        self.store.set(f"{contract.MEMBERS_KEY}-{self.generation}", json.dumps(owners))
         self.members = dict(owners)
         self.started = True
         self.aborted = False
@@ -256,27 +279,55 @@ class Coordinator:
         )
 
 
+@dataclass(frozen=True)
+class Where:
+    """Where the job's store is: hosted on ``host:port`` (behind the gate where there is a
+    ``secret``), or kept by the etcd cluster at the ``etcd`` URL."""
+
+    host: str = LOOPBACK
+    port: int = 29400
+    secret: bytes | None = None
+    etcd: str | None = None
+
+
+def _host(where: Where) -> tuple[Any, str, int]:
+    """The store, and the address of a client connection to it (for the `Listener`)."""
+    if where.etcd is not None:
+        from unbroken.run.etcd import EtcdStore
+
+        return EtcdStore(where.etcd), where.etcd, 0
+    if where.secret is None:
+        store = listen.store(where.host, where.port)
+        local = LOOPBACK if where.host in ("0.0.0.0", "::") else where.host
+        print(f"unbroken coordinator: listening on {where.host}:{store.port}", flush=True)
+        return store, local, store.port
+    store = listen.store(LOOPBACK, 0)
+    listening = gate.Gate(where.host, where.port, store.port, where.secret).port
+    print(f"unbroken coordinator: listening on {where.host}:{listening}", flush=True)
+    return store, LOOPBACK, store.port
+
+
 def serve(
-    host: str,
-    port: int,
-    node_timeout: float,
-    suspect_timeout: float,
-    exit_when_done: bool,
-    secret: bytes | None,
+    where: Where,
+    node_timeout: float = NODE_TIMEOUT_S,
+    suspect_timeout: float = SUSPECT_TIMEOUT_S,
+    exit_when_done: bool = False,
     silence: Silence = DEFAULT,
 ) -> int:
-    """Host the job's store on ``host:port``: behind a `gate.Gate` if the job has a
-    ``secret`` (the store itself then listens on loopback only), else directly."""
-    if secret is None:
-        store = listen.store(host, port)
-        local, listening = (LOOPBACK if host in ("0.0.0.0", "::") else host), store.port
-    else:
-        store = listen.store(LOOPBACK, 0)
-        local, listening = LOOPBACK, gate.Gate(host, port, store.port, secret).port
-    store.add(contract.GENERATION_KEY, 0)
-    print(f"unbroken coordinator: listening on {host}:{listening}", flush=True)
+    """Decide for the job whose store is ``where``, until it is done (``exit_when_done``)
+    or a signal. With etcd, only while this coordinator leads: another takes over where
+    the store says the job stands (`Coordinator.resume`)."""
+    store, local, port = _host(where)
+    lead = None
+    if where.etcd is not None:
+        from unbroken.run.etcd import Lead
+
+        lead = Lead(store)
+        lead.take(log)
+        print(f"unbroken coordinator: leading the job at {where.etcd}", flush=True)
     coordinator = Coordinator(store, node_timeout, suspect_timeout, silence)
-    coordinator.news = Listener(local, store.port)
+    coordinator.resume()
+    coordinator.news = Listener(local, port)
     stop = threading.Event()
 
     def stopping(sig: int, frame: FrameType | None) -> None:
@@ -288,6 +339,9 @@ def serve(
             signal.signal(sig, stopping)
     try:
         while not stop.is_set() and (coordinator.poll() or not exit_when_done):
+            if lead is not None and not lead.keep():
+                log("lost the lead (its lease expired): another coordinator decides now")
+                return 1
             time.sleep(POLL_S)
         deadline = time.monotonic() + STANDBY_WAIT_S
         # Standbys see the job's end and leave before the store does (unbroken.run.agent).
@@ -297,101 +351,6 @@ def serve(
             time.sleep(POLL_S)
     finally:
         coordinator.news.stop(store)
+        if lead is not None:
+            lead.release()
     return 0
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="unbroken coordinator",
-        description="The store of a multi-node `unbroken run --in-process` job: run it "
-        "where no training node's loss takes it away (a Kubernetes Deployment), and point "
-        "every node's --rdzv-endpoint at it.",
-    )
-    p.add_argument(
-        "--host",
-        default="0.0.0.0",
-        help="the one address to listen on (default: all); beyond loopback, only with the "
-        f"job's secret (${gate.SECRET_ENV} or --secret-file) or --insecure",
-    )
-    p.add_argument(
-        "--secret-file",
-        metavar="PATH",
-        help=f"the job's shared secret (default: ${gate.SECRET_ENV}), readable by its owner "
-        "only; every node gives the same one",
-    )
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        help="listen beyond loopback with no secret: anyone who reaches the port can read "
-        "and change the job's store",
-    )
-    p.add_argument("--port", type=int, default=29400, help="TCP port (0: any free one)")
-    timing(p)
-    p.add_argument(
-        "--exit-when-done",
-        action="store_true",
-        help="exit once every node finished and every standby saw it (default: serve)",
-    )
-    return p
-
-
-def timing(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--node-timeout",
-        type=float,
-        default=NODE_TIMEOUT_S,
-        metavar="SECONDS",
-        help=f"a node agent silent this long is lost, ping or not (default {NODE_TIMEOUT_S:g})",
-    )
-    p.add_argument(
-        "--ping-after",
-        type=float,
-        default=PING_AFTER_S,
-        metavar="SECONDS",
-        help="a node agent whose heartbeat is silent this long is pinged, and lost if it "
-        f"does not answer within --answer-timeout (default {PING_AFTER_S:g})",
-    )
-    p.add_argument(
-        "--answer-timeout",
-        type=float,
-        default=ANSWER_S,
-        metavar="SECONDS",
-        help="how long a silent node agent has to answer the coordinator's ping (default "
-        f"{ANSWER_S:g}); raise it for agents starved of CPU",
-    )
-    p.add_argument(
-        "--suspect-timeout",
-        type=float,
-        default=SUSPECT_TIMEOUT_S,
-        metavar="SECONDS",
-        help="once a worker reports a lost peer, a node whose agent does not answer the "
-        f"coordinator's ping this long is lost (default {SUSPECT_TIMEOUT_S:g})",
-    )
-
-
-def main(argv: list[str]) -> int:
-    p = parser()
-    a = p.parse_args(argv)
-    if a.node_timeout <= 0 or a.suspect_timeout <= 0:
-        p.error("--node-timeout and --suspect-timeout must be positive")
-    try:
-        silence = Silence(ping_after_s=a.ping_after, answer_s=a.answer_timeout)
-    except ValueError as e:
-        p.error(f"--ping-after {a.ping_after:g}, --answer-timeout {a.answer_timeout:g}: {e}")
-    try:
-        secret = gate.job_secret(a.secret_file)
-    except (gate.GateError, OSError) as e:
-        p.error(str(e))
-    if secret is None and not a.insecure and a.host not in (LOOPBACK, "localhost", "::1"):
-        p.error(
-            f"--host {a.host} without a secret would let anyone who reaches the port read "
-            f"and change the job's store: set ${gate.SECRET_ENV} (`openssl rand -hex 32`, "
-            "the same on every node) or --secret-file, or pass --insecure"
-        )
-    return serve(
-        a.host, a.port, a.node_timeout, a.suspect_timeout, a.exit_when_done, secret, silence
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -57,7 +57,7 @@ from typing import Any, TypeVar
 
 from unbroken.errors import PeerLostError
 from unbroken.job import abort
-from unbroken.run import contract, worker
+from unbroken.run import contract, listen, worker
 from unbroken.run.news import announce
 from unbroken.run.watcher import AbortWatcher
 
@@ -243,15 +243,8 @@ def _keep_forever(objects: list[Any]) -> None:
 
 
 def _connect(timeout_s: float) -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=min(timeout_s, 10.0)),
-        wait_for_workers=False,
-    )
+    env = os.environ
+    return listen.connect(env["MASTER_ADDR"], int(env["MASTER_PORT"]), min(timeout_s, 10.0))
 
 
 def _once(train: Callable[[], T], timeout_s: float) -> T:

@@ -58,6 +58,21 @@ def store(
         raise OSError(f"cannot listen on {host}:{port} for the job's store: {e}") from e
 
 
+def connect(host: str, port: int, timeout: float = 300.0) -> Any:
+    """A client of the job's store at ``host:port``, or of its etcd cluster where ``host``
+    is an ``etcd://`` URL (``port`` unused; `unbroken.run.etcd`): the same calls serve
+    both."""
+    if host.startswith(("etcd://", "etcds://")):
+        from unbroken.run.etcd import EtcdStore
+
+        return EtcdStore(host, timeout)
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (a name or an address) means this machine's loopback."""
     if host == "localhost":

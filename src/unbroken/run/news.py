@@ -19,7 +19,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from unbroken.run import contract
+from unbroken.run import contract, listen
 
 NEWS_KEY = "unbroken/news"  # a counter; -<n>: set once the n-th change is written
 
@@ -37,11 +37,9 @@ class Listener:
     misses nothing). `take` returns and clears the flag."""
 
     def __init__(self, host: str, port: int) -> None:
-        import torch.distributed as dist
-
         self.changed = threading.Event()
         self.stopped = False
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
+        store = listen.connect(host, port)
         seen = int(store.add(NEWS_KEY, 0))
         self._thread = threading.Thread(target=self._run, args=(store, seen), name="unbroken-news")
         self._thread.start()
@@ -74,9 +72,7 @@ class Listener:
 def beat(host: str, port: int, agent: str, stopped: threading.Event, every: float) -> None:
     """Bump ``agent``'s beat counter every ``every`` seconds, on a connection of its own,
     until ``stopped``: the coordinator's node-loss detector watches it."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
+    store = listen.connect(host, port)
     while not stopped.wait(every):
         try:
             store.add(contract.agent_beat_key(agent), 1)
@@ -91,11 +87,9 @@ def answer_pings(
     """Beat at once, then call ``pinged``, each time the coordinator pings ``agent``: it
     waits for the live agents' answers to tell a lost node from the live ones
     (`unbroken.run.coordinator`). Ends at the first ping after ``stopped``."""
-    import torch.distributed as dist
-
     counter = f"{contract.AGENT_PREFIX}{agent}/{contract.PING_SUFFIX}"
     try:
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
+        store = listen.connect(host, port)
         n = int(store.add(counter, 0))
         while True:
             n += 1

@@ -17,10 +17,9 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
-from unbroken.run import contract
+from unbroken.run import contract, listen
 from unbroken.run.procs import kill_tree
 
 SpareProcess = tuple[str, subprocess.Popen[bytes]]  # its store key, its process
@@ -84,8 +83,8 @@ def serve(key: str) -> None:
     worker by running its script here."""
     # The point: imported before they are needed (DDP, FSDP and compile import
     # torch._dynamo on first use: ~1 s here).
-    import torch._dynamo  # noqa: F401
-    import torch.distributed as dist
+    import torch._dynamo
+    import torch.distributed  # noqa: F401
 
     import unbroken  # noqa: F401
     from unbroken.run import worker
@@ -93,13 +92,7 @@ def serve(key: str) -> None:
     env = os.environ
     parent = os.getppid()
     try:
-        store = dist.TCPStore(
-            env["MASTER_ADDR"],
-            int(env["MASTER_PORT"]),
-            is_master=False,
-            timeout=timedelta(seconds=30),
-            wait_for_workers=False,
-        )
+        store = listen.connect(env["MASTER_ADDR"], int(env["MASTER_PORT"]), 30.0)
         store.set(f"{key}/{contract.SPARE_READY}", str(os.getpid()))
         while not store.check([f"{key}/{contract.SPARE_ASSIGN}"]):
             if os.getppid() != parent:

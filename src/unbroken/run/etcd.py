@@ -1,0 +1,310 @@
+"""The job's store in etcd: a control plane that no single process takes down.
+
+    unbroken coordinator --etcd etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/job-1
+    unbroken run --in-process --rdzv-endpoint etcd://10.0.0.1:2379,...,10.0.0.3:2379/job-1 ...
+
+Why etcd, and why this way. Every agent, worker and process group of a multi-node
+in-process job talks to one `torch.distributed.Store`; with the embedded coordinator that
+store is a `TCPStore` in the coordinator's process, which takes the job down with it. A
+store kept by a replicated log survives the loss of any one process: etcd (Raft, three
+members tolerate one loss) is built for exactly this and is what Kubernetes itself keeps
+its state in. Kubernetes Leases would elect a coordinator but leave its state in one
+process. So the keys move to etcd and nothing else changes: `EtcdStore` is a `Store`
+with the same semantics (blocking ``get``, atomic ``add`` and ``compare_set``), so the
+coordinator, the agents, the workers' abort watchers and gloo's rendezvous run the same
+code over either store. The coordinator keeps nothing the store does not hold
+(`unbroken.run.coordinator`), so a coordinator restarted anywhere carries on, and the
+agents and workers, who never talk to it, train on while it is away.
+
+Each request goes to one member over etcd's gRPC gateway (JSON over HTTP, `etcd3gw`); a
+member that fails or does not answer within `REQUEST_S` is left for the next, until the
+store's timeout. A ``wait`` is a watch from the revision it last read, in slices of
+`WATCH_S`, so a watch held by a member that died is replaced within a slice and no write
+in between is missed.
+
+What it does not do: authenticate. Give etcd client TLS certificates (the URL's scheme
+``etcds://`` and ``$UNBROKEN_ETCD_CA``, ``..._CERT``, ``..._KEY``), or keep it on a network
+that only the job reaches (docs/kubernetes.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import torch.distributed as dist
+
+SCHEMES = ("etcd://", "etcds://")
+ENV = "UNBROKEN_ETCD"  # the job's etcd URL, for the ranks an agent starts
+REQUEST_S = 2.0  # one member's time to answer one request before the next is tried
+WATCH_S = 2.0
+LEAD_TTL_S = 3  # a standby coordinator takes over within this long
+TLS_ENV = ("UNBROKEN_ETCD_CA", "UNBROKEN_ETCD_CERT", "UNBROKEN_ETCD_KEY")
+T = TypeVar("T")
+_KEPT: list[EtcdStore] = []
+
+
+def is_etcd(address: str) -> bool:
+    return address.startswith(SCHEMES)
+
+
+def parse(url: str) -> tuple[str, list[tuple[str, int]], str]:
+    """``(scheme, [(host, port), ...], namespace)`` of an ``etcd://h:p,h:p/namespace`` URL;
+    `ValueError` saying what is wrong."""
+    parts = urlsplit(url)
+    hosts = [h for h in parts.netloc.split(",") if h]
+    namespace = parts.path.strip("/") or "unbroken"
+    if parts.scheme not in ("etcd", "etcds") or not hosts:
+        raise ValueError(f"{url}: not an etcd URL; write etcd://HOST:PORT[,HOST:PORT...]/JOB")
+    members = []
+    for h in hosts:
+        host, _, port = h.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{url}: member {h!r} is not HOST:PORT")
+        members.append((host.strip("[]"), int(port)))
+    return ("https" if parts.scheme == "etcds" else "http"), members, namespace
+
+
+class EtcdStore(dist.Store):
+    """A `torch.distributed.Store` on an etcd cluster, every key under ``/<namespace>/``."""
+
+    def __init__(self, url: str, timeout: float = 300.0) -> None:
+        super().__init__()
+        self.url = url
+        self.protocol, self.members, namespace = parse(url)
+        self.prefix = f"/{namespace}/"
+        self.port = 0  # as `listen.connect` takes it with the URL (a TCPStore's has a port)
+        self.deadline_s = timeout
+        self._at = 0  # the member tried first
+        self._local = threading.local()  # a client per thread: requests' sessions are not shared
+        self.get_raw(["\0"])  # reach the cluster now: a wrong URL fails here, by name
+        # C++ holders (a PrefixStore, gloo) call back into this object, and pybind11 finds
+        # its methods only while the Python object lives: keep it (a few per generation).
+        _KEPT.append(self)
+
+    # -- torch's Store ------------------------------------------------------------------
+    def set(self, key: str, value: Any) -> None:
+        self.request(lambda c: c.put(self._k(key), _bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.get_raw([key])[0] or b""
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._update(key, lambda old: str(int(old or b"0") + amount).encode()))
+
+    def append(self, key: str, value: Any) -> None:
+        self._update(key, lambda old: (old or b"") + _bytes(value))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        want, new = _bytes(expected), _bytes(desired)
+        while True:
+            (old, rev), _ = self._read(key)
+            if (old is None and want) or (old is not None and old != want):
+                return want if old is None else old
+            if self._swap(key, rev, new):
+                return new
+
+    def check(self, keys: list[str]) -> bool:
+        return all(v is not None for v in self.get_raw(keys))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.wait(keys)
+        return [v or b"" for v in self.get_raw(keys)]
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.request(lambda c: c.delete(self._k(key))))
+
+    def num_keys(self) -> int:
+        from etcd3gw.utils import _encode, _increment_last_byte
+
+        end = _encode(_increment_last_byte(self.prefix))
+        span = {"key": _encode(self.prefix), "range_end": end, "count_only": True}
+        reply = self.request(lambda c: c.post(c.get_url("/kv/range"), json=span))
+        return int(reply.get("count", 0))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Until every key exists; `RuntimeError` naming the keys after ``timeout`` (the
+        store's own by default)."""
+        limit = self.deadline_s if timeout is None else timeout.total_seconds()
+        end = time.monotonic() + limit
+        while True:
+            values, revision = self._range(keys)
+            missing = [k for k, v in zip(keys, values, strict=True) if v is None]
+            if not missing:
+                return
+            left = end - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"{self.url}: keys {missing} did not appear within {limit:g} s "
+                    "(wait timeout); is every rank and agent of the job running?"
+                )
+            self._watch(missing[0], revision + 1, min(left, WATCH_S))
+
+    # -- etcd ---------------------------------------------------------------------------
+    def create(self, key: str, value: str, lease: str) -> bool:
+        """Write ``key`` bound to ``lease`` if it does not exist; whether it was written."""
+        from etcd3gw.utils import _encode
+
+        k = _encode(self._k(key))
+        compare = {"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+        put = {"request_put": {"key": k, "value": _encode(value), "lease": lease}}
+        txn = {"compare": [compare], "success": [put], "failure": []}
+        return bool(self.request(lambda c: c.transaction(txn)).get("succeeded", False))
+
+    def get_raw(self, keys: list[str]) -> list[bytes | None]:
+        return self._range(keys)[0]
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def _range(self, keys: list[str]) -> tuple[list[bytes | None], int]:
+        """Each key's value (None where absent) and the revision read, in one request."""
+        from etcd3gw.utils import _decode, _encode
+
+        ops = [{"request_range": {"key": _encode(self._k(k))}} for k in keys]
+        reply = self.request(lambda c: c.transaction({"compare": [], "success": ops}))
+        values: list[bytes | None] = []
+        for response in reply.get("responses", []):
+            kvs = response.get("response_range", {}).get("kvs", [])
+            values.append(None if not kvs else _decode(kvs[0].get("value", "")))
+        return values, int(reply["header"]["revision"])
+
+    def _read(self, key: str) -> tuple[tuple[bytes | None, int], int]:
+        """``((value, mod_revision), store revision)``; mod_revision 0 where absent."""
+        from etcd3gw.utils import _decode, _encode
+
+        op = {"request_range": {"key": _encode(self._k(key))}}
+        reply = self.request(lambda c: c.transaction({"compare": [], "success": [op]}))
+        kvs = reply["responses"][0].get("response_range", {}).get("kvs", [])
+        if not kvs:
+            return (None, 0), int(reply["header"]["revision"])
+        value = _decode(kvs[0]["value"]) if "value" in kvs[0] else b""
+        return (value, int(kvs[0]["mod_revision"])), int(reply["header"]["revision"])
+
+    def _swap(self, key: str, revision: int, value: bytes) -> bool:
+        """Write ``value`` if ``key`` was last written at ``revision`` (0: absent)."""
+        from etcd3gw.utils import _encode
+
+        k = _encode(self._k(key))
+        compare = {"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": revision}
+        put = {"request_put": {"key": k, "value": _encode(value)}}
+        txn = {"compare": [compare], "success": [put], "failure": []}
+        return bool(self.request(lambda c: c.transaction(txn)).get("succeeded", False))
+
+    def _update(self, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
+        while True:  # optimistic: retried only when another writer came in between
+            (old, rev), _ = self._read(key)
+            new = change(old)
+            if self._swap(key, rev, new):
+                return new
+
+    def _watch(self, key: str, revision: int, timeout: float) -> None:
+        from etcd3gw.exceptions import WatchTimedOut
+
+        with contextlib.suppress(WatchTimedOut):
+            self.request(lambda c: c.watch_once(self._k(key), timeout, start_revision=revision))
+
+    def _client(self, member: int) -> Any:
+        from etcd3gw import Etcd3Client
+
+        clients = self._local.__dict__.setdefault("clients", {})
+        if member not in clients:
+            host, port = self.members[member]
+            ca, cert, key = (os.environ.get(v) for v in TLS_ENV)
+            clients[member] = Etcd3Client(
+                host, port, self.protocol, ca, key, cert, REQUEST_S, api_path="/v3/"
+            )
+        return clients[member]
+
+    def request(self, request: Callable[[Any], T]) -> T:
+        """``request`` on a member that answers, trying each in turn until the store's
+        timeout: a member that died or lost its quorum is left for another."""
+        from etcd3gw.exceptions import Etcd3Exception, WatchTimedOut
+
+        end = time.monotonic() + self.deadline_s
+        tried: list[str] = []
+        while True:
+            member = self._at
+            try:
+                return request(self._client(member))
+            except WatchTimedOut:
+                raise
+            except Etcd3Exception as e:
+                tried.append(f"{self.members[member][0]}:{self.members[member][1]} ({e})")
+            self._at = (member + 1) % len(self.members)
+            if time.monotonic() > end:
+                raise RuntimeError(
+                    f"{self.url}: no etcd member answered within {self.deadline_s:g} s: "
+                    f"{'; '.join(tried[-len(self.members) :])}; start etcd, or check the URL"
+                )
+            if self._at == 0:
+                time.sleep(0.1)  # every member failed once: the cluster may be electing
+
+
+class Lead:
+    """This process's hold on the job's ``coordinator`` key, on an etcd lease: at most one
+    coordinator of a job decides at a time, and a standby coordinator takes over within
+    ``ttl`` seconds of the leader's loss. The leader renews the lease as it polls
+    (`keep`); one that was stopped longer than ``ttl`` finds it expired and steps down
+    before it decides anything."""
+
+    KEY = "unbroken/coordinator"
+
+    def __init__(self, store: EtcdStore, ttl: int = LEAD_TTL_S) -> None:
+        self.store, self.ttl = store, ttl
+        self.me = f"{socket.gethostname()}:{os.getpid()}"
+        self.lease = ""
+        self.renewed = -math.inf
+
+    def take(self, say: Callable[[str], None]) -> None:
+        """Block until this process leads (saying once who leads meanwhile)."""
+        said = False
+        while True:
+            grant = self.store.request(
+                lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": self.ttl})
+            )
+            self.lease, self.renewed = grant["ID"], time.monotonic()
+            if self.store.create(self.KEY, self.me, self.lease):
+                return
+            self.release()
+            if not said:
+                holder = self.store.get_raw([self.KEY])[0]
+                say(f"coordinator {(holder or b'?').decode()} leads: standing by to take over")
+                said = True
+            time.sleep(self.ttl / 4)
+
+    def keep(self) -> bool:
+        """Renew the lease every ``ttl``/4 seconds; False once it has expired."""
+        now = time.monotonic()
+        if now - self.renewed < self.ttl / 4:
+            return True
+        reply = self.store.request(
+            lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": self.lease})
+        )
+        if int(reply.get("result", {}).get("TTL", 0)) <= 0:
+            return False
+        self.renewed = now
+        return True
+
+    def release(self) -> None:
+        """Give the lead up at once (a standby need not wait for the lease to expire)."""
+        with contextlib.suppress(Exception):
+            revoke = {"ID": self.lease}
+            self.store.request(lambda c: c.post(c.get_url("/lease/revoke"), json=revoke))
+
+
+def _bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
