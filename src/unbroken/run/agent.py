@@ -115,6 +115,8 @@ class NodeAgent(Supervisor):
         try:
             self.store = listen.connect(self.host, self.port, 60.0)
         except Exception as e:
+            if self.port == 0:  # etcd's error names its members and what to do
+                raise SystemExit(f"unbroken run: {first_line(e)}") from None
             why = e if self.relay is None or self.relay.failure is None else self.relay.failure
             raise SystemExit(
                 f"unbroken run: cannot reach the coordinator at {where} ({why}); start "
@@ -205,9 +207,11 @@ class NodeAgent(Supervisor):
             return bool(self.live_pids())
         try:
             return self._poll()
-        except (RuntimeError, OSError) as e:  # the store: the coordinator is gone
+        except (RuntimeError, OSError) as e:  # the store: the coordinator (or etcd) is gone
             self.give_up(
-                f"lost the coordinator at {self.where} ({first_line(e)}); restart "
+                first_line(e)
+                if self.port == 0
+                else f"lost the coordinator at {self.where} ({first_line(e)}); restart "
                 "`unbroken coordinator` there, then the job"
             )
             return bool(self.live_pids())

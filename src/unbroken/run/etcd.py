@@ -243,7 +243,10 @@ class EtcdStore(dist.Store):
             except WatchTimedOut:
                 raise
             except Etcd3Exception as e:
-                tried.append(f"{self.members[member][0]}:{self.members[member][1]} ({e})")
+                why = e.detail_text or type(e).__name__  # its str() is empty
+                if "Errno" in why:  # requests' text; its last part says what happened
+                    why = why[why.rindex("[Errno") :].split('"')[0].split("'")[0].rstrip(")")
+                tried.append(f"{self.members[member][0]}:{self.members[member][1]} ({why})")
             self._at = (member + 1) % len(self.members)
             if time.monotonic() > end:
                 raise RuntimeError(
