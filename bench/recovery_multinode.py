@@ -135,11 +135,16 @@ def run_multinode(cfg: RecoveryConfig, sc: Scenario, where: Path) -> dict[str, A
         if etcd is not None:
             etcd.close()
         shutil.rmtree(shm, ignore_errors=True)
+    return {"fault_t": fault_t, "events": timelines(where)}
+
+
+def timelines(where: Path) -> list[dict[str, Any]]:
+    """The agents' timeline events, in absolute time."""
     events = []
     for path in sorted(where.glob("agent-*.json")):
         timeline = json.loads(path.read_text())
         events += [e | {"t": e["t"] + timeline["t0"]} for e in timeline["events"]]
-    return {"fault_t": fault_t, "events": events}
+    return events
 
 
 def start_standby(where: Path, url: str) -> subprocess.Popen[str]:
