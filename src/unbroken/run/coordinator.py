@@ -270,7 +270,10 @@ class Coordinator:
         self.generation += 1
         self._start(owners, lost)
         new = sorted(s for s, a in owners.items() if s not in lost)
-        self.store.add(contract.GENERATION_KEY, 1)
+        # Not add(1): a request retried on another etcd member must not move it twice.
+        self.store.compare_set(
+            contract.GENERATION_KEY, str(self.generation - 1), str(self.generation)
+        )
         self.store.set(f"{contract.STARTED_KEY}-{self.generation}", "")  # survivors wait on it
         announce(self.store)
         log(

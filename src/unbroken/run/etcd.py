@@ -30,6 +30,7 @@ that only the job reaches (docs/kubernetes.md).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import socket
@@ -95,10 +96,15 @@ class EtcdStore(dist.Store):
         self.request(lambda c: c.put(self._k(key), _bytes(value)))
 
     def get(self, key: str) -> bytes:
-        self.wait([key])
-        return self.get_raw([key])[0] or b""
+        value = self.get_raw([key])[0]
+        if value is None:  # torch's get waits for the key
+            self.wait([key])
+            value = self.get_raw([key])[0]
+        return value or b""
 
     def add(self, key: str, amount: int) -> int:
+        # A reply lost with its member, the request retried on another, counts twice: the
+        # job's counters (beats, news) allow it; the generation moves by compare_set.
         return int(self._update(key, lambda old: str(int(old or b"0") + amount).encode()))
 
     def append(self, key: str, value: Any) -> None:
@@ -212,10 +218,28 @@ class EtcdStore(dist.Store):
                 return new
 
     def _watch(self, key: str, revision: int, timeout: float) -> None:
-        from etcd3gw.exceptions import WatchTimedOut
+        """Until ``key`` is written at ``revision`` or later, or ``timeout`` passed (no
+        error: the caller reads again). A member that fails before the watch starts is
+        left like any other; one that fails during it ends the watch, and the caller's
+        next read finds another."""
+        import requests
+        from etcd3gw.utils import _encode
 
-        with contextlib.suppress(WatchTimedOut):
-            self.request(lambda c: c.watch_once(self._k(key), timeout, start_revision=revision))
+        body = {"create_request": {"key": _encode(self._k(key)), "start_revision": revision}}
+
+        def once(c: Any) -> None:
+            # etcd3gw's own watch has no timeout: a stopped member would hold it forever.
+            with c.session.post(
+                c.get_url("/watch"), json=body, stream=True, timeout=(REQUEST_S, timeout)
+            ) as reply:
+                try:
+                    for line in reply.iter_lines():
+                        if line and "events" in json.loads(line).get("result", {}):
+                            return
+                except (requests.exceptions.RequestException, ValueError):
+                    return  # the slice is over, or the member went away: read again
+
+        self.request(once)
 
     def _client(self, member: int) -> Any:
         from etcd3gw import Etcd3Client
@@ -232,7 +256,8 @@ class EtcdStore(dist.Store):
     def request(self, request: Callable[[Any], T]) -> T:
         """``request`` on a member that answers, trying each in turn until the store's
         timeout: a member that died or lost its quorum is left for another."""
-        from etcd3gw.exceptions import Etcd3Exception, WatchTimedOut
+        import requests
+        from etcd3gw.exceptions import Etcd3Exception
 
         end = time.monotonic() + self.deadline_s
         tried: list[str] = []
@@ -240,10 +265,8 @@ class EtcdStore(dist.Store):
             member = self._at
             try:
                 return request(self._client(member))
-            except WatchTimedOut:
-                raise
-            except Etcd3Exception as e:
-                why = e.detail_text or type(e).__name__  # its str() is empty
+            except (Etcd3Exception, requests.exceptions.RequestException) as e:
+                why = getattr(e, "detail_text", None) or str(e) or type(e).__name__
                 if "Errno" in why:  # requests' text; its last part says what happened
                     why = why[why.rindex("[Errno") :].split('"')[0].split("'")[0].rstrip(")")
                 tried.append(f"{self.members[member][0]}:{self.members[member][1]} ({why})")
