@@ -106,8 +106,8 @@ class NodeAgent(Supervisor):
     def start(self) -> None:
         where = self.where
         try:  # etcd: its own TLS (`unbroken.run.etcd`); else the coordinator's gate
-            secret = self.opts.ours.secret_file
-            self.relay = None if self.port == 0 else gate.relay_to(self.host, self.port, secret)
+            secret, etcd = self.opts.ours.secret_file, listen.is_etcd(self.host)
+            self.relay = None if etcd else gate.relay_to(self.host, self.port, secret)
         except (gate.GateError, OSError) as e:
             raise SystemExit(f"unbroken run: {e}") from None
         if self.relay is not None:  # every connection to the coordinator passes its gate
@@ -115,7 +115,7 @@ class NodeAgent(Supervisor):
         try:
             self.store = listen.connect(self.host, self.port, 60.0)
         except Exception as e:
-            if self.port == 0:  # etcd's error names its members and what to do
+            if listen.is_etcd(self.host):  # etcd's error names its members, what to do
                 raise SystemExit(f"unbroken run: {first_line(e)}") from None
             why = e if self.relay is None or self.relay.failure is None else self.relay.failure
             raise SystemExit(
@@ -210,7 +210,7 @@ class NodeAgent(Supervisor):
         except (RuntimeError, OSError) as e:  # the store: the coordinator (or etcd) is gone
             self.give_up(
                 first_line(e)
-                if self.port == 0
+                if listen.is_etcd(self.host)
                 else f"lost the coordinator at {self.where} ({first_line(e)}); restart "
                 "`unbroken coordinator` there, then the job"
             )

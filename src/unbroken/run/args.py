@@ -17,6 +17,7 @@ from pathlib import Path
 
 from unbroken.run import faults as fault_specs
 from unbroken.run.faults import Fault
+from unbroken.run.listen import is_etcd
 
 # Options of ours that torchrun must not also get (the simulated nodes set them).
 SIMULATION_SETS = (
@@ -314,7 +315,7 @@ def _int(text: str) -> int | None:
 def endpoint(targs: argparse.Namespace) -> tuple[str, int]:
     """The coordinator's address: ``--rdzv-endpoint`` (an ``etcd://`` URL as is, port 0),
     else ``--master-addr/--master-port``."""
-    if targs.rdzv_endpoint and targs.rdzv_endpoint.startswith(("etcd://", "etcds://")):
+    if targs.rdzv_endpoint and is_etcd(targs.rdzv_endpoint):
         return targs.rdzv_endpoint, 0  # the job's etcd cluster (`unbroken.run.etcd`)
     if targs.rdzv_endpoint:
         host, _, port = targs.rdzv_endpoint.rpartition(":")

@@ -43,18 +43,12 @@ from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
-SCHEMES = ("etcd://", "etcds://")
-ENV = "UNBROKEN_ETCD"  # the job's etcd URL, for the ranks an agent starts
 REQUEST_S = 2.0  # one member's time to answer one request before the next is tried
 WATCH_S = 2.0
 LEAD_TTL_S = 3  # a standby coordinator takes over within this long
 TLS_ENV = ("UNBROKEN_ETCD_CA", "UNBROKEN_ETCD_CERT", "UNBROKEN_ETCD_KEY")
 T = TypeVar("T")
 _KEPT: list[EtcdStore] = []
-
-
-def is_etcd(address: str) -> bool:
-    return address.startswith(SCHEMES)
 
 
 def parse(url: str) -> tuple[str, list[tuple[str, int]], str]:
@@ -113,7 +107,7 @@ class EtcdStore(dist.Store):
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         want, new = _bytes(expected), _bytes(desired)
         while True:
-            (old, rev), _ = self._read(key)
+            old, rev = self._range([key])[0][0]
             if (old is None and want) or (old is not None and old != want):
                 return want if old is None else old
             if self._swap(key, rev, new):
@@ -123,8 +117,11 @@ class EtcdStore(dist.Store):
         return all(v is not None for v in self.get_raw(keys))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        self.wait(keys)
-        return [v or b"" for v in self.get_raw(keys)]
+        values = self.get_raw(keys)
+        if any(v is None for v in values):  # torch's multi_get waits for every key
+            self.wait(keys)
+            values = self.get_raw(keys)
+        return [v or b"" for v in values]
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         for key, value in zip(keys, values, strict=True):
@@ -147,8 +144,8 @@ class EtcdStore(dist.Store):
         limit = self.deadline_s if timeout is None else timeout.total_seconds()
         end = time.monotonic() + limit
         while True:
-            values, revision = self._range(keys)
-            missing = [k for k, v in zip(keys, values, strict=True) if v is None]
+            found, revision = self._range(keys)
+            missing = [k for k, (v, _) in zip(keys, found, strict=True) if v is None]
             if not missing:
                 return
             left = end - time.monotonic()
@@ -171,34 +168,26 @@ class EtcdStore(dist.Store):
         return bool(self.request(lambda c: c.transaction(txn)).get("succeeded", False))
 
     def get_raw(self, keys: list[str]) -> list[bytes | None]:
-        return self._range(keys)[0]
+        return [value for value, _ in self._range(keys)[0]]
 
     def _k(self, key: str) -> str:
         return self.prefix + key
 
-    def _range(self, keys: list[str]) -> tuple[list[bytes | None], int]:
-        """Each key's value (None where absent) and the revision read, in one request."""
+    def _range(self, keys: list[str]) -> tuple[list[tuple[bytes | None, int]], int]:
+        """Each key's value (None where absent) and the revision it was last written at
+        (0 where absent), and the store's revision, in one request."""
         from etcd3gw.utils import _decode, _encode
 
         ops = [{"request_range": {"key": _encode(self._k(k))}} for k in keys]
         reply = self.request(lambda c: c.transaction({"compare": [], "success": ops}))
-        values: list[bytes | None] = []
+        found: list[tuple[bytes | None, int]] = []
         for response in reply.get("responses", []):
             kvs = response.get("response_range", {}).get("kvs", [])
-            values.append(None if not kvs else _decode(kvs[0].get("value", "")))
-        return values, int(reply["header"]["revision"])
-
-    def _read(self, key: str) -> tuple[tuple[bytes | None, int], int]:
-        """``((value, mod_revision), store revision)``; mod_revision 0 where absent."""
-        from etcd3gw.utils import _decode, _encode
-
-        op = {"request_range": {"key": _encode(self._k(key))}}
-        reply = self.request(lambda c: c.transaction({"compare": [], "success": [op]}))
-        kvs = reply["responses"][0].get("response_range", {}).get("kvs", [])
-        if not kvs:
-            return (None, 0), int(reply["header"]["revision"])
-        value = _decode(kvs[0]["value"]) if "value" in kvs[0] else b""
-        return (value, int(kvs[0]["mod_revision"])), int(reply["header"]["revision"])
+            kv = kvs[0] if kvs else None
+            found.append(
+                (None, 0) if kv is None else (_decode(kv.get("value", "")), int(kv["mod_revision"]))
+            )
+        return found, int(reply["header"]["revision"])
 
     def _swap(self, key: str, revision: int, value: bytes) -> bool:
         """Write ``value`` if ``key`` was last written at ``revision`` (0: absent)."""
@@ -212,7 +201,7 @@ class EtcdStore(dist.Store):
 
     def _update(self, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
         while True:  # optimistic: retried only when another writer came in between
-            (old, rev), _ = self._read(key)
+            old, rev = self._range([key])[0][0]
             new = change(old)
             if self._swap(key, rev, new):
                 return new

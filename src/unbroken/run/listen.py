@@ -62,7 +62,7 @@ def connect(host: str, port: int, timeout: float = 300.0) -> Any:
     """A client of the job's store at ``host:port``, or of its etcd cluster where ``host``
     is an ``etcd://`` URL (``port`` unused; `unbroken.run.etcd`): the same calls serve
     both."""
-    if host.startswith(("etcd://", "etcds://")):
+    if is_etcd(host):
         from unbroken.run.etcd import EtcdStore
 
         return EtcdStore(host, timeout)
@@ -71,6 +71,11 @@ def connect(host: str, port: int, timeout: float = 300.0) -> Any:
     return dist.TCPStore(
         host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout)
     )
+
+
+def is_etcd(address: str) -> bool:
+    """Whether ``address`` is an etcd cluster's URL (`unbroken.run.etcd`)."""
+    return address.startswith(("etcd://", "etcds://"))
 
 
 def is_loopback(host: str) -> bool:
