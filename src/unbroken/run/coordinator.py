@@ -60,7 +60,7 @@ from typing import Any
 
 from unbroken.run import contract, gate, listen
 from unbroken.run.listen import LOOPBACK
-from unbroken.run.news import Listener, announce
+from unbroken.run.news import Listener, announce, heal
 from unbroken.run.silence import DEFAULT, Beats, Silence, Verdict, ping
 
 POLL_S = 0.02
@@ -106,6 +106,7 @@ class Coordinator:
         self.news: Listener | None = None
         self.look_s = min(LOOK_S, node_timeout / 4)
         self.looked = -math.inf
+        self.healed = 0  # the news counter when `heal` last ran
 
     def resume(self) -> None:
         """Start where the store says the job stands: a coordinator that took over from
@@ -135,6 +136,7 @@ class Coordinator:
         if not (changed or busy or now - self.looked >= self.look_s):
             return True
         self.looked = now
+        self.healed = heal(self.store, self.healed)
         return self._look()
 
     def _look(self) -> bool:

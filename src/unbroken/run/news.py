@@ -9,6 +9,7 @@ reader looks at the store at once after a change and otherwise only every few hu
 milliseconds (a safety net: a change nobody announced is still seen). The store's load
 at idle then grows with nodes / look interval, not nodes / poll interval, while a change
 still reaches every reader in one round trip (docs/scaling.md, "Finding a lost node").
+The coordinator `heal`s the key of a writer lost mid-announce at each look.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from unbroken.run import contract, listen
 
 NEWS_KEY = "unbroken/news"  # a counter; -<n>: set once the n-th change is written
+HEAL_WINDOW = 64  # how many announcements back `heal` sets a missing key
 
 
 def announce(store: Any) -> None:
@@ -29,6 +31,19 @@ def announce(store: Any) -> None:
     that is gone is found by the caller's next request)."""
     with contextlib.suppress(Exception):
         store.set(f"{NEWS_KEY}-{int(store.add(NEWS_KEY, 1))}", "")
+
+
+def heal(store: Any, since: int) -> int:
+    """Set the keys of the announcements after ``since`` (the last `HEAL_WINDOW` at most)
+    and return the counter. A writer lost between its bump and its key (a node killed
+    mid-announce, a rank ended at the job's end) leaves a key that listeners would wait
+    on for ever, missing every later change. Setting a key early is harmless: each
+    writer's change is written before its bump."""
+    now = int(store.add(NEWS_KEY, 0))
+    keys = [f"{NEWS_KEY}-{n}" for n in range(max(since, now - HEAL_WINDOW) + 1, now + 1)]
+    if keys:
+        store.multi_set(keys, [""] * len(keys))
+    return now
 
 
 class Listener:
@@ -57,6 +72,8 @@ class Listener:
         self.stopped = True
         if self._thread.is_alive():
             announce(store)
+            with contextlib.suppress(Exception):
+                heal(store, 0)
             self._thread.join(timeout=5.0)
 
     def _run(self, store: Any, seen: int) -> None:

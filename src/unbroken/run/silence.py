@@ -72,9 +72,13 @@ DEFAULT = Silence()
 
 
 def ping(store: Any, agent: str) -> None:
-    """Ask ``agent`` to beat at once (`unbroken.run.news.answer_pings` answers)."""
+    """Ask ``agent`` to beat at once (`unbroken.run.news.answer_pings` answers). The
+    key before this ping's is set again: a coordinator lost between a ping's bump and
+    its key (one that took over goes on) would leave the agent deaf to every later one."""
     counter = f"{contract.AGENT_PREFIX}{agent}/{contract.PING_SUFFIX}"
-    store.set(f"{counter}-{int(store.add(counter, 1))}", "")
+    n = int(store.add(counter, 1))
+    keys = [f"{counter}-{i}" for i in range(max(1, n - 1), n + 1)]
+    store.multi_set(keys, [""] * len(keys))
 
 
 class Beats:
