@@ -203,3 +203,45 @@ def test_a_spare_still_importing_is_taken_after_a_ready_one_and_runs_its_rank(tm
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_spare_whose_supervisor_dies_ends_at_once():
+    """An idle spare blocks in one store wait (no polling); a supervisor killed while it
+    waits must not leave it behind: it ends within a second or so."""
+    from unbroken.run import contract, listen
+
+    store = listen.store()
+    supervisor = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-m', 'unbroken.run.spare', 'spare/x'])\n"
+            "time.sleep(120)\n",
+        ],
+        env={**os.environ, "MASTER_ADDR": listen.LOOPBACK, "MASTER_PORT": str(store.port)},
+    )
+    try:
+        deadline = time.monotonic() + 45
+        while not store.check([f"spare/x/{contract.SPARE_READY}"]):
+            assert time.monotonic() < deadline, "the spare never got ready"
+            time.sleep(0.05)
+        pid = int(store.get(f"spare/x/{contract.SPARE_READY}"))
+        supervisor.kill()
+        supervisor.wait()
+        deadline = time.monotonic() + 3
+        while _alive(pid):
+            assert time.monotonic() < deadline, "the orphaned spare is still waiting"
+            time.sleep(0.05)
+    finally:
+        supervisor.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not ended (a zombie its new parent has not reaped yet counts as ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

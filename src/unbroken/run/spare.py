@@ -14,9 +14,10 @@ import os
 import runpy
 import subprocess
 import sys
-import time
+import threading
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from unbroken.run import contract, listen
@@ -77,6 +78,14 @@ class Spares:
         self.idle = []
 
 
+def _orphaned(parent: int, assigned: threading.Event) -> None:
+    """End this spare at once if its supervisor is gone before it was assigned: the
+    main thread is in the store's wait, which only the store would end."""
+    while not assigned.wait(0.2):
+        if os.getppid() != parent:
+            os._exit(0)
+
+
 def serve(key: str) -> None:
     """Be a warm spare: import torch and the library, say so under ``KEY/ready``, wait for
     an assignment under ``KEY/assign`` (JSON: ``env`` and ``argv``), then become that
@@ -90,15 +99,15 @@ def serve(key: str) -> None:
     from unbroken.run import worker
 
     env = os.environ
-    parent = os.getppid()
+    assigned = threading.Event()
+    threading.Thread(target=_orphaned, args=(os.getppid(), assigned), daemon=True).start()
     try:
         store = listen.connect(env["MASTER_ADDR"], int(env["MASTER_PORT"]), 30.0)
         store.set(f"{key}/{contract.SPARE_READY}", str(os.getpid()))
-        while not store.check([f"{key}/{contract.SPARE_ASSIGN}"]):
-            if os.getppid() != parent:
-                sys.exit(0)  # the supervisor is gone
-            time.sleep(0.005)
+        # One blocking wait, not a poll: idle spares cost the store nothing at scale.
+        store.wait([f"{key}/{contract.SPARE_ASSIGN}"], timedelta(days=1))
         job = json.loads(store.get(f"{key}/{contract.SPARE_ASSIGN}"))
+        assigned.set()
     except RuntimeError:  # torch's store errors (DistNetworkError among them)
         # The store went away (the job ended, or the coordinator was lost): a spare has
         # nothing to add to what its supervisor or agent says about that.
