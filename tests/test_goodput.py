@@ -18,7 +18,7 @@ import pytest
 
 from unbroken.goodput import account
 from unbroken.goodput.cli import main as goodput_main
-from unbroken.run import contract, rundir, worker
+from unbroken.run import contract, reached, rundir, worker
 from unbroken.run.timeline import Timeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,11 +198,13 @@ def test_steps_and_saves_are_buffered_and_written_together(tmp_path, monkeypatch
             worker.tick(step)  # the Checkpointer ticks again: no second span
         worker.event("save_start", step=200, blocking=True)
         worker.event("save_end", step=200)
-        written = list(tmp_path.iterdir())
+        written = list(tmp_path.glob("events-*"))
         if time.time() - t0 < worker.FLUSH_S * 0.9:  # else a flush was due: fine too
             assert written == [], "buffered events were written before a flush was due"
+        # Only the last step reached is there at once, in its memory-mapped record.
+        assert [(e["step"], e["rank"]) for e in reached.read(tmp_path)] == [(200, 2)]
         worker.event("restore_done", step=200)  # a rare event: written at once, in order
-        (log,) = tmp_path.iterdir()
+        (log,) = tmp_path.glob("events-*")
         lines = [json.loads(line) for line in log.read_text().splitlines()]
     finally:
         worker.reset()

@@ -31,6 +31,7 @@ import unbroken
 from unbroken.data import ByteTokenizer, ResumableLoader, ResumableSampler, TokenDataset
 from unbroken.demo import EVENT_PREFIX
 from unbroken.demo.model import GPTConfig, TinyGPT
+from unbroken.run import tick
 from unbroken.run.contract import EVENTS_DIR_ENV
 
 
@@ -115,6 +116,7 @@ def train(args: argparse.Namespace) -> None:
             optim.step()
             sched.step()
             progress.step += 1
+            tick(progress.step)  # before rank 0 reports it: a kill then finds it reached
             # The reported loss is the mean over ranks (a sum of two floats: deterministic).
             mean = loss.detach().clone()
             dist.all_reduce(mean)

@@ -2,6 +2,7 @@
 directory it reads is `unbroken.run.rundir`.
 
     account   the arithmetic: every second of every rank given to one cause
+    lost      the step spans a kill took from the log, from the step each rank reached
     report    the printed report (and the strings the HTML shows)
     html      the one-file HTML report
     plot      the PNG timeline (matplotlib)

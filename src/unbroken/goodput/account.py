@@ -6,7 +6,9 @@ the launch to the end is cut into labelled intervals:
 * ``productive``: a step's span (from the previous step or event to its tick), for the
   last execution of each step number;
 * ``recompute``: a step's span that was later executed again (its work was lost), and
-  the time from a rank's last step to a failure (work in flight, lost);
+  the time from a rank's last step to a failure (work in flight, lost). The spans a kill
+  took from the log are rebuilt from the step each process last reached
+  (`unbroken.goodput.lost`);
 * ``checkpoint``: a blocking save or a snapshot (`save_start`..`save_end`,
   `snapshot_start`..`snapshot_end`); a save cut short by a failure ends at the failure;
 * ``detection``: from a failure to its detection by the launcher;
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from unbroken.goodput import lost
 from unbroken.run.timeline import DETECTIONS, failures
 
 Event = dict[str, Any]
@@ -97,7 +100,7 @@ class Account:
 
 def account(events: list[Event]) -> Account:
     """Every second of the launch whose ``events`` (any order) are given, by cause."""
-    events = sorted(events, key=lambda e: e["t"])
+    events = sorted(lost.restore(events), key=lambda e: e["t"])
     ranks = sorted({e["rank"] for e in events if "pid" in e and e.get("rank") is not None})
     if not ranks:
         raise ValueError("no worker events: nothing to account for")

@@ -22,6 +22,7 @@ import torch only inside the calls that need it. The modules:
     contract    names shared by launcher and workers: environment, store keys, files
     faults      fault specs (--inject-fault)
     worker      worker side: heartbeats, events, faults, init_process_group
+    reached     the last step each process reached, kept through a SIGKILL
     inprocess   worker side of in-process recovery: in_process(train)
     watcher     an in-process rank's abort watcher: the abort, then the next generation
     spare       warm spares (--warm-spare), both sides

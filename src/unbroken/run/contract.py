@@ -67,6 +67,7 @@ HEARTBEAT_PREFIX = "rank-"  # rank-<rank>: one fixed-width heartbeat line, rewri
 HEARTBEAT_BYTES = 80  # the heartbeat line's width: rewritten in place, never truncated
 EVENTS_PREFIX = "events-"  # events-<rank>-<pid>.jsonl: one JSON line per event
 LAUNCHER_EVENTS = "launcher.jsonl"  # the launcher's own events (detections, restarts)
+REACHED_PREFIX = "reached-"  # reached-<rank>-<pid>: its last step, mapped (`run.reached`)
 FIRED_PREFIX = "fired-"  # fired-<index>: fault <index> fired already in this launch
 KILL_NODE_PREFIX = "request-kill-node-"  # request-kill-node-<node>: a worker asks
 
@@ -100,6 +101,10 @@ def heartbeat_file(rank: int) -> str:
 
 def events_file(rank: int, pid: int) -> str:
     return f"{EVENTS_PREFIX}{rank}-{pid}.jsonl"
+
+
+def reached_file(rank: int, pid: int) -> str:
+    return f"{REACHED_PREFIX}{rank}-{pid}"
 
 
 def fired_file(index: int) -> str:

@@ -1,11 +1,12 @@
 """The run directory: where `unbroken run` keeps a launch's events for `unbroken goodput`.
 
 `unbroken run` uses it as its heartbeat directory, so the workers' events
-(``events-<RANK>-<PID>.jsonl``) and the launcher's (``launcher.jsonl``) land there as
-they happen; at the end, the heartbeat files and fault markers are removed and the
-events stay. ``$UNBROKEN_RUN_DIR`` names it (new or empty); by default it is a new
-folder under ``$XDG_STATE_HOME/unbroken/runs`` (``~/.local/state/...``), named after the
-time and the launcher's pid, and printed at the end.
+(``events-<RANK>-<PID>.jsonl``, with ``reached-<RANK>-<PID>``) and the launcher's
+(``launcher.jsonl``) land there as they happen; at the end, the heartbeat files and
+fault markers are removed and the events stay. ``$UNBROKEN_RUN_DIR`` names it (new or
+empty); by default it is a new folder under ``$XDG_STATE_HOME/unbroken/runs``
+(``~/.local/state/...``), named after the time and the launcher's pid, and printed at
+the end.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.access import Access
-from unbroken.run import contract
+from unbroken.run import contract, reached
 
 TRANSIENT = (contract.HEARTBEAT_PREFIX, contract.FIRED_PREFIX, contract.KILL_NODE_PREFIX, ".")
 
@@ -61,7 +62,8 @@ def run_directory() -> Iterator[str]:
 
 
 def read(path: str | Path) -> list[dict[str, Any]]:
-    """Every event in a run directory (workers' and launcher's), by time. Raises
+    """Every event in a run directory (workers' and launcher's, and the step each worker
+    last reached as a ``reached`` event: `unbroken.run.reached`), by time. Raises
     FileNotFoundError naming the directory if it holds no events."""
     root = Path(path)
     if not root.is_dir():
@@ -83,4 +85,5 @@ def read(path: str | Path) -> list[dict[str, Any]]:
                     events.append(json.loads(line))
                 except json.JSONDecodeError:
                     continue  # a line cut short by a kill: the rest still counts
+    events += reached.read(root)
     return sorted(events, key=lambda e: e["t"])

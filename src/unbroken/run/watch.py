@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any, NamedTuple, Protocol
 
-from unbroken.run import contract
+from unbroken.run import contract, reached
 from unbroken.run.procs import alive
 from unbroken.run.timeline import Timeline
 
@@ -171,11 +171,13 @@ class Watch:
     def _last_step(self, pid: int, beat_step: int) -> int:
         """The last step an exited ``pid`` reached. Heartbeats are written at most every
         0.2 s, so the last one can be steps behind a rank that went on to finish; the
-        step spans it flushed as it exited (read now: after this poll's first read) say
+        step spans it flushed as it exited (read now: after this poll's first read), or
+        if it was killed, its record of the last step (`unbroken.run.reached`), say
         where it ended."""
         self.read_events()
         spans_step, _ = self.timeline.last_step.get(pid, (beat_step, 0.0))
-        return max(beat_step, spans_step)
+        records = [r["step"] for r in reached.read(self.dir) if r["pid"] == pid]
+        return max(beat_step, spans_step, *records)
 
     def shutting_down(self, pid: int, beat: float, now: float) -> bool:
         """Whether ``pid`` closed its Checkpointer after its last beat, not too long ago:

@@ -19,8 +19,9 @@ goodput` its accounting. Rare events (start, process group ready, restore, fault
 written at once, one line each, because the launcher acts on them. Frequent ones are
 buffered and written together: each step's span (from `tick`), checkpoint saves,
 snapshots and background persists (`BUFFERED`), at most one write per `FLUSH_S` and
-before any rare event, so the log costs well under a write per step. The event names
-and their fields: docs/goodput.md. File names and variables: `unbroken.run.contract`.
+before any rare event, so the log costs well under a write per step. A kill loses what
+is buffered, but not the last step reached (`unbroken.run.reached`). Event names and
+fields: docs/goodput.md; file names and variables: `unbroken.run.contract`.
 
 No torch import at module level: `tick` and `event` must stay cheap to import.
 """
@@ -40,7 +41,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from unbroken.access import Access
-from unbroken.run import contract, faults, listen
+from unbroken.run import contract, faults, listen, reached
 from unbroken.run.faults import Fault, parse
 
 HEARTBEAT_INTERVAL_S = 0.2
@@ -77,6 +78,7 @@ class LaunchContext:
         events_dir = env.get(contract.EVENTS_DIR_ENV) or self.dir
         # normalised: "ckpt/../events" must not need ckpt to exist yet
         self.events_dir = os.path.abspath(events_dir) if events_dir else None
+        self.reached = reached.Reached(self.events_dir, self.rank)  # survives a SIGKILL
         self.fd: int | None = None
         self.last_beat = float("-inf")
         self.beat_step = 0  # the step of the last heartbeat
@@ -163,6 +165,7 @@ class LaunchContext:
             if not self.started:
                 self._start()
             self.spans.append((step, self.mark, now))
+            self.reached.note(step, now, self.attempt)
             self.mark = now
             self.last_step = step
             if len(self.spans) == 1:
