@@ -19,6 +19,7 @@ from unbroken.format.directory import Directory
 from unbroken.format.layout import Manifest
 from unbroken.healing.stepper import Stepper
 from unbroken.job import abort
+from unbroken.job import overlap as overlapped
 from unbroken.job.background import PendingSave, SaveThread, wait_for
 from unbroken.job.comm import Comm
 from unbroken.memory import paths, placement
@@ -61,6 +62,8 @@ class Checkpointer:
             (endpoint, region, path_style, credentials, part_size, concurrency,
             timeouts); for fsspec URLs, arguments of the file system.
         replicated: `unbroken.sdc.Replicated`; the others (keep, policy...): `unbroken.options`.
+        overlap: copy parameters and optimizer state beside the next forward and backward
+            (`unbroken.job.overlap`); off for a loop that changes them outside a step.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class Checkpointer:
         memory_dir: str | None = None,
         job: str | None = None,
         replicated: Replicated | None = None,
+        overlap: bool = True,
     ) -> None:
         Options(
             keep=keep, io_threads=io_threads, staging_buffers=staging_buffers, if_busy=if_busy,
@@ -92,6 +96,7 @@ class Checkpointer:
         self.path = os.fspath(path)
         self.keep = KeepLast(keep) if isinstance(keep, int) else keep
         self.io_threads = io_threads
+        self.overlap = overlap
         self.if_busy = if_busy
         self.on_error = on_error
         self.replicated_reads = replicated_reads
@@ -129,8 +134,7 @@ class Checkpointer:
 
     @property
     def storage(self) -> Storage:
-        """Where the checkpoints live; a replacement (a wrapper, in tests) is used from
-        the next save or restore on."""
+        """Where the checkpoints live; a replacement (a wrapper) serves from the next call."""
         return self._directory.storage
 
     @storage.setter
@@ -163,18 +167,16 @@ class Checkpointer:
         `RNGState`, `Progress`...), tensors and JSON values.
 
         ``blocking=True`` returns once the checkpoint is committed. ``blocking=False``
-        returns as soon as the state is copied into a staging buffer: **from then on the
-        training loop may modify every tensor and Stateful in ``state``**; the copy is
-        written and committed in the background (see `PendingSave`). A failed save
-        leaves every committed checkpoint as it was. ``metric`` (a loss...) is what
-        `KeepBest` ranks by. A committed step, or one below the newest committed, is
-        refused, unless this job restored an older step: its next save then retires the
-        steps above that one (README, "Steps that go backwards")."""
-        if self._closed:
-            raise CheckpointError(f"{self!r} is closed")
-        if not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"step must be a non-negative int, not {step!r}")
+        returns once the state is captured: **from then on the loop may modify every
+        tensor and Stateful in ``state``** (``overlap``: what only the next optimizer
+        step changes is copied meanwhile), written and committed in the background
+        (`PendingSave`). A failed save leaves every committed checkpoint as it was.
+        ``metric`` (a loss...) is what `KeepBest` ranks by. A committed step, or one
+        below the newest committed, is refused, unless this job restored an older step:
+        its next save then retires the steps above it (README, "Steps that go backwards")."""
+        self._check(step)
         worker.tick(step)
+        overlapped.settle()  # the last save's copies: before this one waits for an arena
         self._surface_failure()
         self._stepper.observe(state, self._memory)
         arena = None if blocking else self._stager.acquire(wait=self.if_busy == "wait")
@@ -184,20 +186,25 @@ class Checkpointer:
                 staged = saving.skipped(step)
             else:
                 known = self.replicated.known(state, self._stepper.tracker.wrappers(state))
-                staged = saving.stage(step, state, arena, known)
+                staged = saving.stage(step, state, arena, known, self.overlap)
             staged.metric, staged.rollback_from = metric, self._rollback
             self._rollback = None
         except BaseException as e:
             if arena is not None:
                 self._stager.release(arena)
-            # The other ranks are about to save this step: take part, failing, so that
-            # they fail too instead of waiting for this rank.
+            # Take part in this step's save, failing: the other ranks fail too, not wait.
             self._submit(saving.failed(step, e), background=False)
             raise
         handle = self._submit(staged, background=not blocking)
         if blocking:
             handle.wait()
         return handle
+
+    def _check(self, step: int) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self!r} is closed")
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, not {step!r}")
 
     def prepare(self, state: Mapping[str, Any]) -> None:
         """Allocate and touch, in the background, the staging buffer of background saves
@@ -233,8 +240,7 @@ class Checkpointer:
 
     def _seen(self, step: int) -> None:
         with self._lock:
-            if self._failure is not None and self._failure[0] == step:
-                self._failure = None
+            self._failure = None if self._failure and self._failure[0] == step else self._failure
 
     def _surface_failure(self) -> None:
         """Raise (or warn about) a background save that failed since the last call."""
@@ -258,6 +264,7 @@ class Checkpointer:
 
     def _drain(self) -> None:
         """Wait for the worker to finish what it was given (failures stay recorded)."""
+        overlapped.settle()  # it waits for this thread to settle the last save's copies
         with self._lock:
             pending = [p._future for p in self._pending]
         if self._replicating is not None:
@@ -270,11 +277,10 @@ class Checkpointer:
         and it is at least as new as the newest checkpoint on storage.
 
         Cheap enough for every step: it only copies ``state`` into a free slot. The
-        checksums and publishing (only then may a restore use it) and, with ``replicas``,
-        sending it to the peers (collective: every rank snapshots the same steps) run in
-        the background; the next snapshot never waits for the sending (a third slot: see
-        `unbroken.memory.snapshots`), and for the publishing only if it outlasted the step in
-        between: a crash after ``snapshot`` returned comes back from it or the one before."""
+        checksums, publishing (only then may a restore use it) and, with ``replicas``,
+        sending it to peers (collective: every rank snapshots the same steps) run in the
+        background (`unbroken.memory.snapshots`): a crash after ``snapshot`` returned
+        comes back from it or the one before."""
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
         worker.tick(step)
@@ -303,10 +309,7 @@ class Checkpointer:
         the heartbeat (`unbroken.run.tick`). With a ``policy`` it takes the snapshot or
         save the policy says; with ``preemption``, after a signal, it saves this step,
         blocking, and raises `Preempted`."""
-        if self._closed:
-            raise CheckpointError(f"{self!r} is closed")
-        if not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"step must be a non-negative int, not {step!r}")
+        self._check(step)
         self._stepper.exchange(self._stepper.record(step, state, self._memory))
         worker.tick(step)
         self._cadence.at_step(step, state, self)
@@ -332,11 +335,11 @@ class Checkpointer:
         ``"live"``), else the newest step in shared memory or storage. Tensors are read
         in place where possible, Statefuls get ``load_state_dict``, JSON values are
         replaced. Keys, shapes and files are checked on every rank before any byte
-        changes; ``strict=False`` skips entries and parameters on one side only. A copy
-        that fails verification (checksum, truncated or missing file) is passed over,
-        loudly, for the newest older one that verifies (``fallback=False`` or an explicit
-        ``step``: raise instead); a failed restore leaves ``state`` as it was. Background
-        saves are waited for first. Where each rank's state came from: `last_restore`."""
+        changes; ``strict=False`` skips entries on one side only. A copy failing
+        verification (checksum, truncated or missing file) is passed over, loudly, for
+        the newest older one that verifies (``fallback=False`` or an explicit ``step``:
+        raise); a failed restore leaves ``state`` as it was. Background saves are waited
+        for first. Where each rank's state came from: `last_restore`."""
         self._drain()
         worker.event("restore_start")
         live = capture(state)  # once: every stage below takes the state's tensors from it

@@ -12,7 +12,7 @@ from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from unbroken.job import abort
+from unbroken.job import abort, overlap
 
 T = TypeVar("T")
 
@@ -30,6 +30,7 @@ class PendingSave:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> bool:
+        overlap.settle()  # the save waits for its copies to be settled by this thread
         try:
             if timeout is None:
                 wait_for([self._future], f"waiting for the save of step {self.step}")

@@ -29,7 +29,7 @@ from unbroken.format.blockio import run_all
 from unbroken.format.directory import Directory
 from unbroken.format.layout import step_dir
 from unbroken.format.shards import local_block, write_blocks
-from unbroken.job import abort
+from unbroken.job import abort, overlap
 from unbroken.job.comm import Comm
 from unbroken.retention import Info
 from unbroken.run import faults, worker
@@ -72,6 +72,7 @@ class Staged:
     aliases: dict[str, str] = field(default_factory=dict)  # key -> key sharing its storage
     arena: Arena | None = None
     ready: torch.cuda.Event | None = None
+    copy: overlap.Copy | None = None  # the copies that wait for the next optimizer step
     skipped: bool = False
     error: str | None = None  # staging failed on this rank
     metric: float | None = None  # for retention (`KeepBest`); rank 0's counts
@@ -80,11 +81,17 @@ class Staged:
 
 
 def stage(
-    step: int, state: Mapping[str, Any], arena: Arena | None, known: Known | None = None
+    step: int,
+    state: Mapping[str, Any],
+    arena: Arena | None,
+    known: Known | None = None,
+    overlap: bool = False,
 ) -> Staged:
     """Capture ``state``; with an ``arena``, copy its tensors there so the caller may change
-    them as soon as this returns. Without one, the blocks are the live (CPU) tensors.
-    ``known``: what the state holds that is replicated, compared at persist (`unbroken.sdc`)."""
+    them as soon as this returns, but for what only an optimizer step changes: with
+    ``overlap``, that is copied beside the training that follows (`unbroken.job.overlap`).
+    Without an arena, the blocks are the live (CPU) tensors. ``known``: what the state
+    holds that is replicated, compared at persist (`unbroken.sdc`)."""
     tensors, tree = capture(state)
     faults.point("stage")
     keys, blocks, offsets, shapes = [], [], [], []
@@ -107,13 +114,41 @@ def stage(
         blocks.append(local)
         offsets.append(where)
         shapes.append(tuple(t.shape))
-    ready = None
+    ready, copy = None, None
     if arena is not None:
-        blocks, ready = arena.stage(blocks)
+        deferred = _deferred(blocks) if overlap else []
+        live = blocks
+        blocks, ready = arena.stage(live, deferred)
+        copy = _copy(keys, live, blocks, deferred, ready)
     return Staged(
         step=step, keys=keys, blocks=blocks, offsets=offsets, shapes=shapes, tree=tree,
-        aliases=aliases, arena=arena, ready=ready, replicated=replicated,
+        aliases=aliases, arena=arena, ready=ready, replicated=replicated, copy=copy,
     )  # fmt: skip
+
+
+def _deferred(blocks: list[torch.Tensor]) -> list[bool]:
+    """Which blocks only an optimizer step changes: their copy may wait for it."""
+    stepped = overlap.deferrable()
+    return [
+        overlap.tracked(b) and b.untyped_storage().data_ptr() in stepped and b.numel() > 0
+        for b in blocks
+    ]
+
+
+def _copy(
+    keys: list[str],
+    live: list[torch.Tensor],
+    copies: list[torch.Tensor],
+    deferred: list[bool],
+    ready: torch.cuda.Event | None,
+) -> overlap.Copy | None:
+    """The deferred copies of a save, under way, or None if there are none."""
+    picked = [i for i, d in enumerate(deferred) if d]
+    if not picked:
+        return None
+    pairs = [(copies[i], live[i]) for i in picked if not live[i].is_cuda]
+    landed = ready if any(live[i].is_cuda for i in picked) else None
+    return overlap.Copy([keys[i] for i in picked], [live[i] for i in picked], pairs, landed)
 
 
 def skipped(step: int) -> Staged:
@@ -230,6 +265,8 @@ def _remove_failed(ctx: SaveContext, step: int) -> None:
 def _layout(staged: Staged) -> list[Any]:
     """What this rank saves, for the plan: the step, whether it skips it, its blocks and
     which of them it knows to be replicated (`unbroken.sdc`)."""
+    if staged.copy is not None and staged.error is None:
+        staged.error = staged.copy.verdict(f"saving step {staged.step}")
     if staged.error is not None:
         raise CheckpointError(staged.error)
     return [staged.step, staged.skipped, [b.to_json() for b in layout(staged)], staged.replicated]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from unbroken.format.shards import local_block, packed
-from unbroken.job import abort
+from unbroken.job import abort, overlap
 from unbroken.state import capture
 
 
@@ -59,15 +59,18 @@ class Arena:
         return 0 if self.buffer is None else self.buffer.numel()
 
     def stage(
-        self, blocks: Sequence[torch.Tensor]
+        self, blocks: Sequence[torch.Tensor], deferred: Sequence[bool] = ()
     ) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
         """Copy ``blocks`` (contiguous, on CPU or CUDA) into the arena; return the copies and,
         for CUDA blocks, an event that completes when they have landed.
 
         On return the caller may modify the originals at once: CPU copies are done, and the
         current CUDA stream is made to wait for the side-stream copies, so kernels it runs
-        next cannot change a tensor before it has been copied."""
+        next cannot change a tensor before it has been copied. Blocks marked ``deferred``
+        are the exception (`unbroken.job.overlap`): the CPU ones are left to the caller
+        to copy, the CUDA ones are queued last and the current stream does not wait."""
         offsets, total = packed(t.nbytes for t in blocks)
+        later = list(deferred) or [False] * len(blocks)
         on_cuda = [t for t in blocks if t.is_cuda]
         with self._lock:  # waits for a reservation under way: it has done part of the work
             if self.buffer is None or self.buffer.numel() < total:
@@ -78,31 +81,39 @@ class Arena:
             self.buffer[o : o + t.nbytes].view(t.dtype).view(t.shape)
             for o, t in zip(offsets, blocks, strict=True)
         ]
-        for dst, src in zip(copies, blocks, strict=True):
-            if not src.is_cuda:
+        for dst, src, defer in zip(copies, blocks, later, strict=True):
+            if not src.is_cuda and not defer:
                 dst.copy_(src)
         if not on_cuda:
             return copies, None
-        device = on_cuda[0].device
+        return copies, self._side_copies(copies, blocks, later)
+
+    def _side_copies(
+        self, copies: list[torch.Tensor], blocks: Sequence[torch.Tensor], later: list[bool]
+    ) -> torch.cuda.Event:
+        device = next(t for t in blocks if t.is_cuda).device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         main = torch.cuda.current_stream(device)
         self._stream.wait_stream(main)  # copy what the queued kernels will have produced
-        with torch.cuda.stream(self._stream):
-            for dst, src in zip(copies, blocks, strict=True):
-                if src.is_cuda:
-                    dst.copy_(src, non_blocking=True)
-                    src.record_stream(self._stream)  # keep temporaries alive until copied
+        for deferred in (False, True):
+            with torch.cuda.stream(self._stream):
+                for dst, src, defer in zip(copies, blocks, later, strict=True):
+                    if src.is_cuda and defer == deferred:
+                        dst.copy_(src, non_blocking=True)
+                        src.record_stream(self._stream)  # keep temporaries alive until copied
+            if not deferred:
+                main.wait_stream(self._stream)  # only the copies later kernels may change
         done = torch.cuda.Event()
         done.record(self._stream)
-        main.wait_stream(self._stream)
-        return copies, done
+        return done
 
 
 class Stager:
     """Hands out at most ``buffers`` arenas; thread-safe (the save worker releases them)."""
 
     def __init__(self, buffers: int) -> None:
+        overlap.install()  # from the first step on: the first save already overlaps
         self._free = [Arena() for _ in range(buffers)]
         self._cond = threading.Condition()
 

@@ -1,0 +1,143 @@
+"""Overlapped capture: the copy of a background save's parameters and optimizer state
+runs beside the next forward and backward, instead of before ``save`` returns.
+
+Training changes parameters and optimizer state only inside ``optimizer.step()``. A
+process-wide optimizer step pre-hook (`settle`) finishes every pending copy before any
+step begins, so each copy holds the values of the step it was taken at. Only the tensors
+of optimizers that have stepped in this process are deferred (`deferrable`); everything
+else in the state (buffers such as BatchNorm's running statistics, which the forward
+changes; tensors no optimizer steps) is copied before ``save`` returns, as before.
+
+A loop that changes a deferred tensor some other way (``p.data.clamp_()`` between steps,
+``load_state_dict``) would tear the copy, the corruption async saves elsewhere have
+shipped (pytorch#144657: tensors mutated during a save; Megatron-LM#1713: NaN after
+resuming from an async save). Here it cannot commit: each deferred tensor's version
+counter, bumped by every in-place change, is read at the save and again at the settle,
+in the training thread, where none of its operations is in flight. A change fails that
+save, naming the tensor, and the last committed step stays as it was. Such a loop
+passes ``Checkpointer(..., overlap=False)``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from unbroken.job import abort
+
+_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_pending: list[Copy] = []
+_lock = threading.Lock()
+_hook: Any = None
+
+
+def install() -> None:
+    """Register the pre-step hook, once per process: before training starts, so the
+    first background save already knows the optimizers (`Stager` calls it)."""
+    global _hook
+    with _lock:
+        if _hook is None:
+            _hook = register_optimizer_step_pre_hook(_pre_step)
+
+
+def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _optimizers.add(optimizer)
+    settle()
+
+
+def settle() -> None:
+    """Finish every pending copy and judge it: call from the training thread before
+    anything may change a deferred tensor (an optimizer step, a restore, a new save)."""
+    with _lock:
+        pending = _pending[:]
+        _pending.clear()
+    for copy in pending:
+        copy.settle()
+
+
+def deferrable() -> set[int]:
+    """The storages (data pointers) only an optimizer step changes: the parameters and
+    state of every optimizer that has stepped in this process since the first call."""
+    install()
+    found: set[int] = set()
+    for optimizer in list(_optimizers):
+        for group in optimizer.param_groups:
+            found.update(p.untyped_storage().data_ptr() for p in group["params"])
+        for state in list(optimizer.state.values()):
+            found.update(
+                v.untyped_storage().data_ptr() for v in state.values() if torch.is_tensor(v)
+            )
+    return found
+
+
+def tracked(t: torch.Tensor) -> bool:
+    """Whether in-place changes to ``t`` are counted (not so for inference tensors)."""
+    return not t.is_inference()
+
+
+class Copy:
+    """The deferred part of one save's staging: ``sources`` (live tensors, named by
+    ``keys``) into their copies. A thread copies the CPU ones (``pairs``: copy, source)
+    now; the CUDA ones are already queued on a side stream, landed when ``landed``
+    completes."""
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        sources: Sequence[torch.Tensor],
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        landed: torch.cuda.Event | None,
+    ) -> None:
+        self.keys, self.sources, self.landed = list(keys), list(sources), landed
+        self.versions = [t._version for t in sources]
+        self.error: str | None = None
+        self.settled = threading.Event()
+        self._thread = threading.Thread(
+            target=self._copy, args=(list(pairs),), name="unbroken-copy", daemon=True
+        )
+        self._thread.start()
+        with _lock:
+            _pending.append(self)
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        try:
+            with torch.no_grad():
+                for dst, src in pairs:
+                    dst.copy_(src)
+        except Exception as e:  # judged at the settle, with the rest
+            self.error = f"the background copy failed: {e}"
+
+    def settle(self) -> None:
+        """Wait for the CPU copies, make later CUDA work wait for the others, and check
+        that no deferred tensor changed since the save (training thread only)."""
+        if self.settled.is_set():
+            return
+        self._thread.join()
+        if self.landed is not None:  # later kernels wait for the copies; this thread not
+            torch.cuda.current_stream(self.sources[0].device).wait_event(self.landed)
+        changed = [
+            k for k, t, v in zip(self.keys, self.sources, self.versions, strict=True)
+            if t._version != v
+        ]  # fmt: skip
+        if changed and self.error is None:
+            self.error = (
+                f"tensor(s) {', '.join(changed[:5])} changed outside optimizer.step() "
+                "while their background copy ran: this save is dropped and the last "
+                "committed step stays. A loop that changes parameters or optimizer state "
+                "between steps needs Checkpointer(..., overlap=False)"
+            )
+        self.settled.set()
+
+    def verdict(self, what: str) -> str | None:
+        """Wait (in the save thread) until the training thread settled this copy: its
+        error, or None once every copy has landed intact."""
+        while not self.settled.wait(abort.poll_s()):
+            abort.check(what)
+        if self.landed is not None:
+            self.landed.synchronize()
+        return self.error
