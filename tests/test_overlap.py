@@ -168,3 +168,55 @@ def test_a_copy_waits_for_the_settle_not_the_other_way_round(tmp_path):
     threading.Timer(30, done.set).start()
     assert handle.wait() is True and not done.is_set()
     ckpt.close()
+
+
+def _memory(root) -> Checkpointer:
+    return Checkpointer(root / "ckpt", memory=True, memory_dir=str(root / "shm"), job="o")
+
+
+@pytest.mark.parametrize("moment", ["forward", "next-step"])
+def test_a_snapshot_every_step_holds_the_values_at_its_step(tmp_path, moment):
+    """`snapshot` overlaps its copy as `save` does: a snapshot after every step, the
+    loop changing buffers (a forward) or stepping again at once, and each published
+    snapshot restored from memory equals the values at its step, bit for bit."""
+    model, optim = make()
+    ckpt = _memory(tmp_path)
+    step(model, optim)
+    expected = {}
+    for n in range(1, 6):
+        step(model, optim)
+        expected[n] = values(model, optim)
+        ckpt.snapshot(n, state(model, optim))
+        assert overlap._pending, "nothing was deferred: the overlap is not exercised"
+        model(torch.randn(16, 64))
+    if moment == "next-step":
+        step(model, optim)
+    ckpt.wait()
+    fresh, fresh_optim = make()
+    step(fresh, fresh_optim)
+    assert _memory(tmp_path).restore(state(fresh, fresh_optim)) == 5
+    assert same(values(fresh, fresh_optim), expected[5])
+    ckpt.close()
+
+
+def test_a_snapshot_torn_outside_the_optimizer_is_never_published(tmp_path):
+    """A parameter changed outside ``optimizer.step()`` while a snapshot's copy ran:
+    that snapshot is never published (the next call says why) and a restore finds the
+    one before, whole."""
+    model, optim = make()
+    ckpt = _memory(tmp_path)
+    step(model, optim)
+    ckpt.snapshot(1, state(model, optim))
+    ckpt.wait()
+    first = values(model, optim)
+    step(model, optim)
+    ckpt.snapshot(2, state(model, optim))
+    with torch.no_grad():
+        dict(model.named_parameters())["0.weight"].add_(1.0)
+    with pytest.raises(CheckpointError, match=r"snapshot of step 2.*0\.weight"):
+        ckpt.wait()
+    fresh, fresh_optim = make()
+    step(fresh, fresh_optim)
+    assert _memory(tmp_path).restore(state(fresh, fresh_optim)) == 1
+    assert same(values(fresh, fresh_optim), first)
+    ckpt.close()

@@ -276,19 +276,19 @@ class Checkpointer:
         coordination with other ranks. Restore uses it when every rank holds that step
         and it is at least as new as the newest checkpoint on storage.
 
-        Cheap enough for every step: it only copies ``state`` into a free slot. The
-        checksums, publishing (only then may a restore use it) and, with ``replicas``,
-        sending it to peers (collective: every rank snapshots the same steps) run in the
-        background (`unbroken.memory.snapshots`): a crash after ``snapshot`` returned
-        comes back from it or the one before."""
+        Cheap enough for every step: it copies ``state`` into a free slot (``overlap``, as
+        `save`). Checksums, publishing and, with ``replicas``, sending it to peers (every
+        rank snapshots the same steps) run in the background (`unbroken.memory.snapshots`):
+        a crash after ``snapshot`` returned comes back from it or the one before."""
         if self._memory is None:
             raise CheckpointError("memory snapshots are off; pass Checkpointer(..., memory=True)")
         worker.tick(step)
         self._surface_failure()
         self._stepper.observe(state, self._memory)
         if self._snapshots is None:
-            peers = (self._placement.partners, self._placement.sources, self._snapshot_failed)
-            self._snapshots = Snapshots(self._memory, self._comm, self._worker, *peers)
+            rest = (self._placement.partners, self._placement.sources, self._snapshot_failed)
+            self._snapshots = Snapshots(self._memory, self._comm, self._worker, *rest, self.overlap)
+        overlapped.settle()  # the last snapshot's copies: make_room waits for its seal
         self._snapshots.make_room(step)
         self._surface_failure()  # what it waited for failed: see `Snapshots.make_room`
         self._replicating = self._snapshots.take(step, state)

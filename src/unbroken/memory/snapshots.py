@@ -36,6 +36,7 @@ from typing import Any
 from unbroken.errors import CheckpointError
 from unbroken.format.layout import Chunk, Manifest, TensorEntry, checksum, dtype_name
 from unbroken.format.shards import byte_view, local_block, packed
+from unbroken.job import overlap
 from unbroken.job.background import SaveThread, wait_for
 from unbroken.job.comm import Comm
 from unbroken.memory import replicas
@@ -68,8 +69,10 @@ class Snapshots:
         partners: list[int],
         sources: list[int],
         failed: Callable[[int, BaseException], None],
+        overlap: bool = False,
     ) -> None:
         self.memory, self._comm, self._worker = memory, comm, worker
+        self.overlap = overlap  # defer what only an optimizer step changes (`copy`)
         self._partners, self._sources, self._failed = partners, sources, failed
         self._sealer = Sealer()
         self._holding: list[Future[None]] = []  # jobs holding an own slot, oldest first
@@ -97,7 +100,7 @@ class Snapshots:
         replicating it); returns the future of the last background job for it."""
         blocks, tree = blocks_of(state)
         try:
-            copied = copy(self.memory, step, blocks, self._cache)
+            copied = copy(self.memory, step, blocks, self._cache, self.overlap)
         except OSError as e:  # the snapshot before is untouched: it stays the newest
             need = sum(t.nbytes for _, t, _, _ in blocks)
             raise CheckpointError(
@@ -119,6 +122,9 @@ class Snapshots:
         error: BaseException | None = None
         try:
             faults.point("snapshot-seal")
+            torn = copied.copy.verdict(f"snapshot {copied.step}") if copied.copy else None
+            if torn:
+                raise CheckpointError(f"the snapshot of step {copied.step}: {torn}")
             seal(self.memory, copied, tree)
         except BaseException as e:
             self._failed(copied.step, e)
@@ -191,14 +197,21 @@ class Copied:
     size: int
     blocks: list[Block]
     starts: list[int]
+    copy: overlap.Copy | None = None  # the copies the next optimizer step waits for
 
 
 def copy(
-    memory: MemoryTier, step: int, blocks: Sequence[Block], cache: dict[Any, Any] | None = None
+    memory: MemoryTier,
+    step: int,
+    blocks: Sequence[Block],
+    cache: dict[Any, Any] | None = None,
+    overlapped: bool = False,
 ) -> Copied:
     """Copy ``blocks`` into a free own slot (taken until ``memory.own.release``). With a
     ``cache`` (the same dict on every call), a layout seen before reuses its offsets and
-    its views into a slot: a snapshot every step then costs little beyond the copy."""
+    its views into a slot: a snapshot every step then costs little beyond the copy.
+    ``overlapped``: what only an optimizer step changes is copied beside the training
+    that follows, and checked before the seal (`unbroken.job.overlap`)."""
     cache = {} if cache is None else cache
     layout = [(t.dtype, t.shape) for _, t, _, _ in blocks]
     known = cache.get("layout")
@@ -214,13 +227,22 @@ def copy(
                 for (_, t, _, _), start in zip(blocks, starts, strict=True)
             ]
             hit = cache[slot] = (layout, buffer.data_ptr(), views)
-        for view, (_, t, _, _) in zip(hit[2], blocks, strict=True):
-            view.copy_(t)
+        stepped = overlap.deferrable() if overlapped else set()
+        later = []
+        for view, (key, t, _, _) in zip(hit[2], blocks, strict=True):
+            if t.numel() and overlap.tracked(t) and t.untyped_storage().data_ptr() in stepped:
+                later.append((key, view, t))
+            else:
+                view.copy_(t)
     except BaseException:
         memory.own.release(slot)
         raise
     copied = [(key, v, o, shape) for v, (key, _, o, shape) in zip(hit[2], blocks, strict=True)]
-    return Copied(step, slot, buffer.numel(), copied, starts)
+    pending = None
+    if later:
+        keys, into, live = zip(*later, strict=True)
+        pending = overlap.Copy(keys, live, list(zip(into, live, strict=True)), None)
+    return Copied(step, slot, buffer.numel(), copied, starts, pending)
 
 
 def seal(memory: MemoryTier, copied: Copied, tree: dict[str, Any]) -> None:
