@@ -97,15 +97,25 @@ class Copy:
         self.versions = [t._version for t in sources]
         self.error: str | None = None
         self.settled = threading.Event()
+        # CUDA sources copied by the thread (snapshots): only once the kernels queued so
+        # far on the training thread's streams, the last optimizer step's among them, ran.
+        queued = []
+        for device in {src.device for _, src in pairs if src.is_cuda}:
+            queued.append(torch.cuda.Event())
+            queued[-1].record(torch.cuda.current_stream(device))
         self._thread = threading.Thread(
-            target=self._copy, args=(list(pairs),), name="unbroken-copy", daemon=True
+            target=self._copy, args=(list(pairs), queued), name="unbroken-copy", daemon=True
         )
         self._thread.start()
         with _lock:
             _pending.append(self)
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _copy(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], queued: list[torch.cuda.Event]
+    ) -> None:
         try:
+            for event in queued:
+                event.synchronize()
             with torch.no_grad():
                 for dst, src in pairs:
                     dst.copy_(src)
@@ -117,21 +127,26 @@ class Copy:
         that no deferred tensor changed since the save (training thread only)."""
         if self.settled.is_set():
             return
-        self._thread.join()
-        if self.landed is not None:  # later kernels wait for the copies; this thread not
-            torch.cuda.current_stream(self.sources[0].device).wait_event(self.landed)
-        changed = [
-            k for k, t, v in zip(self.keys, self.sources, self.versions, strict=True)
-            if t._version != v
-        ]  # fmt: skip
-        if changed and self.error is None:
-            self.error = (
-                f"tensor(s) {', '.join(changed[:5])} changed outside optimizer.step() "
-                "while their background copy ran: this save is dropped and the last "
-                "committed step stays. A loop that changes parameters or optimizer state "
-                "between steps needs Checkpointer(..., overlap=False)"
-            )
-        self.settled.set()
+        try:
+            self._thread.join()
+            if self.landed is not None:  # later kernels wait for the copies; this thread not
+                device = next(t.device for t in self.sources if t.is_cuda)
+                torch.cuda.current_stream(device).wait_event(self.landed)
+            changed = [
+                k for k, t, v in zip(self.keys, self.sources, self.versions, strict=True)
+                if t._version != v
+            ]  # fmt: skip
+            if changed and self.error is None:
+                self.error = (
+                    f"tensor(s) {', '.join(changed[:5])} changed outside optimizer.step() "
+                    "while their background copy ran: this save is dropped and the last "
+                    "committed step stays. A loop that changes parameters or optimizer "
+                    "state between steps needs Checkpointer(..., overlap=False)"
+                )
+        except Exception as e:  # never raised here: the save fails, the other copies settle
+            self.error = self.error or f"settling the background copy failed: {e}"
+        finally:
+            self.settled.set()
 
     def verdict(self, what: str) -> str | None:
         """Wait (in the save thread) until the training thread settled this copy: its
