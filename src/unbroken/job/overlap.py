@@ -4,7 +4,7 @@ runs beside the next forward and backward, instead of before ``save`` returns.
 Training changes parameters and optimizer state only inside ``optimizer.step()``. A
 process-wide optimizer step pre-hook (`settle`) finishes every pending copy before any
 step begins, so each copy holds the values of the step it was taken at. Only the tensors
-of optimizers that have stepped in this process are deferred (`deferrable`); everything
+of optimizers that have stepped in this process are deferred (`deferred`); everything
 else in the state (buffers such as BatchNorm's running statistics, which the forward
 changes; tensors no optimizer steps) is copied before ``save`` returns, as before.
 
@@ -60,24 +60,23 @@ def settle() -> None:
         copy.settle()
 
 
-def deferrable() -> set[int]:
-    """The storages (data pointers) only an optimizer step changes: the parameters and
-    state of every optimizer that has stepped in this process since the first call."""
-    install()
-    found: set[int] = set()
+def deferred(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Which of ``tensors`` only an optimizer step changes, so that their copy may wait
+    for the next one: those sharing storage with the parameters or state of an optimizer
+    that has stepped in this process, in-place changes to them counted (not inference
+    tensors), and not empty."""
+    stepped: set[int] = set()
     for optimizer in list(_optimizers):
         for group in optimizer.param_groups:
-            found.update(p.untyped_storage().data_ptr() for p in group["params"])
+            stepped.update(p.untyped_storage().data_ptr() for p in group["params"])
         for state in list(optimizer.state.values()):
-            found.update(
+            stepped.update(
                 v.untyped_storage().data_ptr() for v in state.values() if torch.is_tensor(v)
             )
-    return found
-
-
-def tracked(t: torch.Tensor) -> bool:
-    """Whether in-place changes to ``t`` are counted (not so for inference tensors)."""
-    return not t.is_inference()
+    return [
+        t.numel() > 0 and not t.is_inference() and t.untyped_storage().data_ptr() in stepped
+        for t in tensors
+    ]
 
 
 class Copy:

@@ -227,10 +227,11 @@ def copy(
                 for (_, t, _, _), start in zip(blocks, starts, strict=True)
             ]
             hit = cache[slot] = (layout, buffer.data_ptr(), views)
-        stepped = overlap.deferrable() if overlapped else set()
+        live = [t for _, t, _, _ in blocks]
+        deferred = overlap.deferred(live) if overlapped else [False] * len(live)
         later = []
-        for view, (key, t, _, _) in zip(hit[2], blocks, strict=True):
-            if t.numel() and overlap.tracked(t) and t.untyped_storage().data_ptr() in stepped:
+        for view, (key, t, _, _), defer in zip(hit[2], blocks, deferred, strict=True):
+            if defer:
                 later.append((key, view, t))
             else:
                 view.copy_(t)
@@ -240,8 +241,8 @@ def copy(
     copied = [(key, v, o, shape) for v, (key, _, o, shape) in zip(hit[2], blocks, strict=True)]
     pending = None
     if later:
-        keys, into, live = zip(*later, strict=True)
-        pending = overlap.Copy(keys, live, list(zip(into, live, strict=True)), None)
+        keys, into, sources = zip(*later, strict=True)
+        pending = overlap.Copy(keys, sources, list(zip(into, sources, strict=True)), None)
     return Copied(step, slot, buffer.numel(), copied, starts, pending)
 
 

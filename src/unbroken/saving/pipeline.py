@@ -85,11 +85,11 @@ def stage(
     state: Mapping[str, Any],
     arena: Arena | None,
     known: Known | None = None,
-    overlap: bool = False,
+    overlapped: bool = False,
 ) -> Staged:
     """Capture ``state``; with an ``arena``, copy its tensors there so the caller may change
     them as soon as this returns, but for what only an optimizer step changes: with
-    ``overlap``, that is copied beside the training that follows (`unbroken.job.overlap`).
+    ``overlapped``, that is copied beside the training that follows (`unbroken.job.overlap`).
     Without an arena, the blocks are the live (CPU) tensors. ``known``: what the state
     holds that is replicated, compared at persist (`unbroken.sdc`)."""
     tensors, tree = capture(state)
@@ -116,7 +116,7 @@ def stage(
         shapes.append(tuple(t.shape))
     ready, copy = None, None
     if arena is not None:
-        deferred = _deferred(blocks) if overlap else []
+        deferred = overlap.deferred(blocks) if overlapped else []
         live = blocks
         blocks, ready = arena.stage(live, deferred)
         copy = _copy(keys, live, blocks, deferred, ready)
@@ -124,15 +124,6 @@ def stage(
         step=step, keys=keys, blocks=blocks, offsets=offsets, shapes=shapes, tree=tree,
         aliases=aliases, arena=arena, ready=ready, replicated=replicated, copy=copy,
     )  # fmt: skip
-
-
-def _deferred(blocks: list[torch.Tensor]) -> list[bool]:
-    """Which blocks only an optimizer step changes: their copy may wait for it."""
-    stepped = overlap.deferrable()
-    return [
-        overlap.tracked(b) and b.untyped_storage().data_ptr() in stepped and b.numel() > 0
-        for b in blocks
-    ]
 
 
 def _copy(
