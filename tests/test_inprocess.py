@@ -245,3 +245,42 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.timeout(60)
+def test_a_spare_makes_the_scripts_imports_before_it_is_ready(tmp_path):
+    """A warm spare imports what the worker's script imports at its top level before it
+    says it is ready (a replacement then skips them too); an import that fails is left to
+    the script, and a module imported in advance is not imported again."""
+    from unbroken.run import contract, listen
+    from unbroken.run.spare import Spares
+
+    (tmp_path / "heavy.py").write_text(
+        "import os\nopen(os.environ['IMPORTS'], 'a').write(f'{os.getpid()}\\n')\n"
+    )
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys\nimport heavy\nfrom xml.dom import minidom\n"
+        "try:\n    import no_such_module_here\nexcept ImportError:\n    pass\n"
+        "open(sys.argv[1], 'w').write(os.environ['RANK'])\n"
+    )
+    imports = tmp_path / "imports"
+    store = listen.store()
+    env = {**os.environ, "MASTER_ADDR": listen.LOOPBACK, "MASTER_PORT": str(store.port),
+           "IMPORTS": str(imports)}  # fmt: skip
+    spares = Spares(store, lambda: env, ([str(script)], False))
+    spares.start()
+    (key, proc), *_ = spares.idle
+    try:
+        deadline = time.monotonic() + 45
+        while not store.check([f"{key}/{contract.SPARE_READY}"]):
+            assert time.monotonic() < deadline and proc.poll() is None, "no ready spare"
+            time.sleep(0.05)
+        assert imports.read_text().split() == [str(proc.pid)], "heavy not imported in advance"
+        spares.assign(key, {"RANK": "3"}, [str(script), str(tmp_path / "out")], False)
+        assert proc.wait(timeout=45) == 0
+        assert (tmp_path / "out").read_text() == "3"
+        assert imports.read_text().split() == [str(proc.pid)], "imported twice"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -157,7 +157,7 @@ class NodeAgent(Supervisor):
         if self.opts.ours.warm_spare:
             # Ready before the slot is: an agent without --node-rank is a standby or a
             # replacement node, whose ranks all start at once: one spare for each.
-            self.spares = Spares(self.store, self.base_env)
+            self.spares = Spares(self.store, self.base_env, self.script_argv())
             for _ in range(self.local if self.wanted is None else 1):
                 self.spares.start()
         self.slot = self._claim()

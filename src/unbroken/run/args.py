@@ -128,8 +128,9 @@ def _our_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--warm-spare",
         action="store_true",
-        help="with --in-process: keep a standby worker per node with torch imported (a "
-        "node agent without --node-rank, a standby node, keeps one per local rank)",
+        help="with --in-process: keep a standby worker per node with torch and the "
+        "script's own imports made (a node agent without --node-rank, a standby node, "
+        "keeps one per local rank)",
     )
     p.add_argument(
         "--secret-file",

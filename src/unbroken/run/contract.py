@@ -45,6 +45,9 @@ ATTEMPT_PREFIX = "unbroken/attempt-"  # +<n>: restart attempt n's prefix in a sh
 SPARE_PREFIX = "unbroken/spare-"  # +<id>: a warm spare's keys, below
 SPARE_READY = "ready"  # <spare key>/ready: the spare imported torch and waits
 SPARE_ASSIGN = "assign"  # <spare key>/assign: JSON {env, argv, module}: become this rank
+# A warm spare's environment: JSON [script or module, is_module]: the script whose own
+# imports the spare makes before it says it is ready.
+SPARE_SCRIPT_ENV = "UNBROKEN_SPARE_SCRIPT"
 
 # -- the coordinator's store (multi-node in-process: `unbroken.run.coordinator`) --------
 

@@ -9,6 +9,10 @@ Both sides live here: `Spares`, the supervisor's pool, and `serve`, the spare it
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -31,16 +35,26 @@ class Spares:
     environment ``env()`` returns. Spares taken are replaced later (`replenish`), not at
     once: a spare importing torch takes CPU the recovery needs."""
 
-    def __init__(self, store: Any, env: Callable[[], dict[str, str]]) -> None:
+    def __init__(
+        self,
+        store: Any,
+        env: Callable[[], dict[str, str]],
+        script: tuple[list[str], bool] | None = None,
+    ) -> None:
         self.store = store
         self.env = env
+        # The worker's script (argv, whether a module): its imports are made in advance.
+        self.script = None if script is None else json.dumps([script[0][0], script[1]])
         self.idle: list[SpareProcess] = []
         self.owed = 0  # taken, not replaced yet
 
     def start(self) -> None:
         key = f"{contract.SPARE_PREFIX}{uuid.uuid4().hex[:8]}"
         cmd = [sys.executable, "-u", "-m", "unbroken.run.spare", key]
-        proc = subprocess.Popen(cmd, env=self.env(), start_new_session=True)
+        env = self.env()
+        if self.script is not None:
+            env[contract.SPARE_SCRIPT_ENV] = self.script
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.idle.append((key, proc))
 
     def take(self) -> SpareProcess | None:
@@ -78,6 +92,46 @@ class Spares:
         self.idle = []
 
 
+def preload(script: str | None) -> list[str]:
+    """Import what the worker's script imports at its top level (``script``: JSON [path
+    or module, is_module]), as its first lines would: a spare that becomes a rank then
+    skips those imports too (transformers: seconds). What fails to import is left for the
+    script itself to raise. Returns the modules imported."""
+    if script is None:
+        return []
+    name, module = json.loads(script)
+    path = name
+    if module:
+        found = importlib.util.find_spec(name)
+        path = found.origin if found is not None else None
+    if not path or not path.endswith(".py") or not os.path.isfile(path):
+        return []
+    with open(path, "rb") as f:
+        tree = ast.parse(f.read(), path)
+    if not module:  # run_path puts the script's directory first on sys.path
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    done = []
+    for wanted in _imports(tree.body):
+        with contextlib.suppress(Exception):
+            importlib.import_module(wanted)
+            done.append(wanted)
+    return done
+
+
+def _imports(body: list[ast.stmt]) -> list[str]:
+    """The absolute imports of a module's top level, those in ``try:`` blocks included
+    (``try: import apex``)."""
+    names = []
+    for node in body:
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+        elif isinstance(node, ast.Try):
+            names += _imports(node.body)
+    return names
+
+
 def _orphaned(parent: int, assigned: threading.Event) -> None:
     """End this spare at once if its supervisor is gone before it was assigned: the
     main thread is in the store's wait, which only the store would end."""
@@ -87,9 +141,9 @@ def _orphaned(parent: int, assigned: threading.Event) -> None:
 
 
 def serve(key: str) -> None:
-    """Be a warm spare: import torch and the library, say so under ``KEY/ready``, wait for
-    an assignment under ``KEY/assign`` (JSON: ``env`` and ``argv``), then become that
-    worker by running its script here."""
+    """Be a warm spare: import torch, the library and what the script imports (`preload`),
+    say so under ``KEY/ready``, wait for an assignment under ``KEY/assign`` (JSON: ``env``
+    and ``argv``), then become that worker by running its script here."""
     # The point: imported before they are needed (DDP, FSDP and compile import
     # torch._dynamo on first use: ~1 s here).
     import torch._dynamo
@@ -101,6 +155,7 @@ def serve(key: str) -> None:
     env = os.environ
     assigned = threading.Event()
     threading.Thread(target=_orphaned, args=(os.getppid(), assigned), daemon=True).start()
+    preload(env.pop(contract.SPARE_SCRIPT_ENV, None))
     try:
         store = listen.connect(env["MASTER_ADDR"], int(env["MASTER_PORT"]), 30.0)
         store.set(f"{key}/{contract.SPARE_READY}", str(os.getpid()))

@@ -178,7 +178,7 @@ class Supervisor:
         for rank in range(self.world):
             self.spawn(rank, 0)
         if self.opts.ours.warm_spare:
-            self.spares = Spares(self.store, self.base_env)
+            self.spares = Spares(self.store, self.base_env, self.script_argv())
             for _ in range(self.nodes):
                 self.spares.start()
 
