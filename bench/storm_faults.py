@@ -80,15 +80,6 @@ class Run:
             del os.environ["UNBROKEN_MEMORY_DIR"]
         self.nodes.append(Node(index, procs, memory))
 
-    def events(self, name: str) -> list[dict[str, Any]]:
-        found = []
-        for path in self.out.glob("events-*.jsonl"):
-            for line in path.read_text().splitlines():
-                record = json.loads(line)
-                if record["event"] == name:
-                    found.append(record)
-        return found
-
     def pid_of(self, rank: int) -> int | None:
         with contextlib.suppress(OSError, ValueError):
             pid = int((self.out / "pids" / f"rank-{rank}").read_text())
@@ -149,8 +140,7 @@ class Run:
         for pid in self.stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        for proc in [p for n in self.nodes for p in n.procs] + self.services:
-            kill_tree(proc)
+        self.stop_job()
         for memory in Path("/dev/shm").glob(f"unbroken-storm-{os.getpid()}-*"):
             shutil.rmtree(memory, ignore_errors=True)
 

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from unbroken.run.procs import descendants
+from unbroken.run import procs
 
 HERE = Path(__file__).resolve().parent
 Procs = list[subprocess.Popen[bytes]]
@@ -71,16 +69,8 @@ def python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL a process and everything below it, as a machine that loses power."""
-    for pid in [proc.pid, *descendants(proc.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    procs.kill_tree(proc.pid)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)

@@ -17,7 +17,8 @@ import secrets
 import time
 from pathlib import Path
 
-from storm_launch import HERE, Config, Launch, Procs, free_port, python, start
+from common import free_port
+from storm_launch import HERE, Config, Launch, Procs, python, start
 
 WORKER = str(HERE / "storm_worker.py")
 STORE = (

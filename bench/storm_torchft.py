@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import signal
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,10 +43,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from storm_launch import Config, Launch, free_port, kill_tree, python, start
+from common import free_port
+from storm_launch import Config, Launch, Procs, kill_tree, python, start
+from storm_report import read as read_events
 
 HERE = Path(__file__).resolve()
-Procs = list[subprocess.Popen[bytes]]
 
 
 def launch(cfg: Config) -> Launch:
@@ -158,13 +157,6 @@ def gather(out: Path, group: int, world: int, timeout: float = 60.0) -> None:
     while len(list(out.glob("built-*"))) < world and time.time() < ends:
         time.sleep(0.05)
     time.sleep(0.5)  # the last group's first heartbeats (every 0.1 s) reach the lighthouse
-
-
-def read_events(out: Path) -> list[dict[str, Any]]:
-    found = []
-    for path in out.glob("events-*.jsonl"):
-        found += [json.loads(line) for line in path.read_text().splitlines() if line]
-    return sorted(found, key=lambda e: e["t"])
 
 
 def wait_for(out: Path, done: Callable[[list[dict[str, Any]]], bool], timeout: float) -> None:
