@@ -58,7 +58,7 @@ def launch(cfg: Config) -> Launch:
         lighthouse["port"] = free_port()
         cmd = ["torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", "100",
                "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", "1000",
-               "--bind", f"[::]:{lighthouse['port']}"]  # fmt: skip
+               "--bind", f"127.0.0.1:{lighthouse['port']}"]  # fmt: skip
         return [start(out, "lighthouse", cmd)]
 
     def node(out: Path, n: int | None) -> Procs:
@@ -73,7 +73,7 @@ def launch(cfg: Config) -> Launch:
                 f"--per-node={cfg.per_node}",
             )  # fmt: skip
             env = {"REPLICA_GROUP_ID": str(g), "NUM_REPLICA_GROUPS": str(cfg.ranks),
-                   "TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse['port']}"}  # fmt: skip
+                   "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lighthouse['port']}"}  # fmt: skip
             procs.append(start(out, f"node{n}-group{g}", cmd, **env))
         return procs
 
