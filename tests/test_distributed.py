@@ -96,7 +96,7 @@ def test_ddp_save_restore_continues_bitwise_equal(tmp_path):
     assert tensor_bytes < on_disk < tensor_bytes + 4096  # one copy plus headers
 
 
-def _fsdp_job(rank: int, world: int, path: str) -> dict:
+def _fsdp_job(rank: int, world: int, path: str, how: str = "save") -> dict:
     import torch
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -122,18 +122,30 @@ def _fsdp_job(rank: int, world: int, path: str) -> dict:
             loss.backward()
             optim.step()
 
-    ckpt = unbroken.Checkpointer(path)
+    ckpt = unbroken.Checkpointer(path, memory=how == "snapshot", replicas=how == "snapshot")
     model, optim = build(0)
     train(model, optim, 2)
-    ckpt.save(2, {"model": model, "optim": optim})
+    if how == "save":  # in the background: the shards' copy waits for the next step
+        ckpt.save(2, {"model": model, "optim": optim}, blocking=False)
+    else:  # each rank's own shards, in shared memory and on its peer
+        ckpt.snapshot(2, {"model": model, "optim": optim})
     train(model, optim, 3)
+    ckpt.wait()
     expected = {k: v.full_tensor() for k, v in model.state_dict().items()}
 
     model, optim = build(rank + 3)
     assert ckpt.restore({"model": model, "optim": optim}) == 2
     train(model, optim, 3)
     got = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    return {"equal": all(torch.equal(got[k], expected[k]) for k in expected)}
+    origin = ckpt.last_restore.origin.kind if ckpt.last_restore else None
+    ckpt.close()
+    return {"equal": all(torch.equal(got[k], expected[k]) for k in expected), "from": origin}
+
+
+def test_fsdp2_shards_restore_exactly_from_a_memory_snapshot(tmp_path):
+    """A rank's snapshot of a sharded tensor holds its own shards, not the whole tensor."""
+    results = run_ranks(_fsdp_job, str(tmp_path), "snapshot")
+    assert [(r["equal"], r["from"]) for r in results] == [(True, "memory")] * 2
 
 
 def test_fsdp2_shards_are_saved_with_offsets_and_restore_exactly(tmp_path):

@@ -178,7 +178,7 @@ class Checkpointer:
         worker.tick(step)
         overlapped.settle()  # the last save's copies: before this one waits for an arena
         self._surface_failure()
-        self._stepper.observe(state, self._memory)
+        layouts = self._stepper.observe(state, self._memory)
         arena = None if blocking else self._stager.acquire(wait=self.if_busy == "wait")
         try:
             if arena is None and not blocking:
@@ -187,7 +187,7 @@ class Checkpointer:
             else:
                 known = self.replicated.known(state, self._stepper.tracker.wrappers(state))
                 staged = saving.stage(step, state, arena, known, self.overlap)
-            staged.metric, staged.rollback_from = metric, self._rollback
+            staged.metric, staged.rollback_from, staged.layouts = metric, self._rollback, layouts
             self._rollback = None
         except BaseException as e:
             if arena is not None:
@@ -356,7 +356,7 @@ class Checkpointer:
             if bad.kind == "storage":
                 self._collector.damaged(bad.step)
         self._rollback = None if healed is None else healed.step
-        self._stepper.restored(self._rollback, state, self._memory)  # collective
+        self._stepper.restored(self._rollback, state, self._memory, self._directory)  # collective
         worker.event("restore_done", step=self._rollback)
         return self._rollback
 

@@ -30,6 +30,7 @@ FORMAT = "unbroken-checkpoint"
 VERSION = 2  # 2: chunks over one piece carry a checksum per piece (see block_checksums)
 MANIFEST = "manifest.json"
 LATEST = "latest"  # {"step": N}: the newest committed step, moved only after its commit
+INFO = "info.json"  # in a step's folder: when it was committed, its metric, DDP layouts
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 
 
@@ -229,9 +230,10 @@ class Manifest:
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, where: str) -> Manifest:
-        """``data`` parsed and validated whole (`parse`)."""
-        return cls.built(parse(data, where), where)
+    def from_json(cls, data: bytes, where: str, *, whole: bool = True) -> Manifest:
+        """``data`` parsed and validated whole (`parse`); ``whole=False`` for one rank's
+        snapshot, which holds only that rank's shards of a sharded tensor."""
+        return cls.built(parse(data, where, whole=whole), where)
 
     @classmethod
     def built(cls, raw: dict[str, Any], where: str) -> Manifest:
@@ -259,7 +261,7 @@ class Manifest:
                 raise CorruptCheckpointError(f"{where} is missing or has a malformed {e}") from None
 
 
-def parse(data: bytes, where: str, part: Part = WHOLE) -> dict[str, Any]:
+def parse(data: bytes, where: str, part: Part = WHOLE, *, whole: bool = True) -> dict[str, Any]:
     """A manifest's JSON, its header and ``part`` of the rest validated
     (`unbroken.format.validate`) before anything it names is read or allocated: a
     `CorruptCheckpointError` naming what is wrong, or a `CheckpointError` for a format
@@ -278,7 +280,7 @@ def parse(data: bytes, where: str, part: Part = WHOLE) -> dict[str, Any]:
                 f"{where} has format version {version}, newer than this unbroken reads "
                 f"(version {VERSION}); upgrade unbroken to restore it"
             )
-        for key in validate_manifest(raw, where, part):
+        for key in validate_manifest(raw, where, part, whole=whole):
             for chunk in raw["tensors"][key]["chunks"]:
                 _check_pieces(chunk, f"{where}: tensor {key!r}")
         return raw

@@ -9,8 +9,9 @@ in-process generation builds a new wrapper) differs from an uninterrupted run's 
 ulp, and the runs drift apart from there. ``find_unused_parameters=True`` hides it (no
 rebuild), at the cost of a graph traversal per iteration.
 
-unbroken instead records the rebuilt layout (`layout`, in the per-step record and the
-restore outcome), and gives a new wrapper that layout before its first iteration
+unbroken instead records the rebuilt layout (`layout`, in the per-step record, the
+node's shared memory and each saved step's info file, which is all a restore from
+storage has), and gives a new wrapper that layout before its first iteration
 (`apply`): its reducer is rebuilt by DDP's own construction code with those buckets.
 The reducer then rebuilds once more after that iteration, from the gradients' ready
 order, which is the same order again: nothing changes. Wrappers built with

@@ -17,6 +17,8 @@ from torch.optim import Optimizer
 
 from unbroken.access import read_own
 from unbroken.errors import CheckpointError, PeerLostError
+from unbroken.format.directory import Directory
+from unbroken.format.layout import INFO, step_dir
 from unbroken.healing import ddp_buckets, inflight, live, messages, records
 from unbroken.healing.records import Record
 from unbroken.job.comm import Comm, brief, lost_peer
@@ -130,16 +132,23 @@ class Stepper:
         return None if healed is None else healed[0]
 
     def restored(
-        self, step: int | None, state: Mapping[str, Any], memory: MemoryTier | None
+        self,
+        step: int | None,
+        state: Mapping[str, Any],
+        memory: MemoryTier | None,
+        directory: Directory | None = None,
     ) -> None:
         """After a restore of ``step``, collective. The DDP layouts: every rank proposes
-        the layouts it knows (its record, a record it holds, its shared memory); all take
+        the layouts it knows (its record, a record it holds, its shared memory; rank 0
+        also the info file of ``step`` in ``directory``, which a restart that lost every
+        node's memory restores from); all take
         the first proposal in rank order that fits the state, so the wrappers of every
         rank get the same layout or none (a malformed one, from a file or a peer, is
         passed over with a warning: it never breaks a restore). And if any rank records
         steps (a survivor; a replacement has no records yet), every rank prepares each
         step from the next one on (`prepare`): all of them, or none would get past it."""
-        proposals = self.comm.all_gather([self._known(state, memory), self.last is not None])
+        known = self._known(state, memory, step, directory)
+        proposals = self.comm.all_gather([known, self.last is not None])
         for rank, proposal in enumerate(proposals):
             raw = proposal[0] if isinstance(proposal, list) and len(proposal) == 2 else None
             chosen = _fitting(raw, state, f"the DDP layouts rank {rank} proposed")
@@ -151,15 +160,25 @@ class Stepper:
             self.last = step
             self.hook(state)
 
-    def _known(self, state: Mapping[str, Any], memory: MemoryTier | None) -> Layouts | None:
-        for raw, where in self._candidates(memory):
+    def _known(
+        self,
+        state: Mapping[str, Any],
+        memory: MemoryTier | None,
+        step: int | None = None,
+        directory: Directory | None = None,
+    ) -> Layouts | None:
+        for raw, where in self._candidates(memory, step, directory):
             layouts = _fitting(raw, state, where)
             if layouts:
                 return layouts
         return None
 
-    def _candidates(self, memory: MemoryTier | None) -> Iterator[tuple[Any, str]]:
-        """The layouts this rank knows of, unchecked, each with where it came from."""
+    def _candidates(
+        self, memory: MemoryTier | None, step: int | None, directory: Directory | None
+    ) -> Iterator[tuple[Any, str]]:
+        """The layouts this rank knows of, unchecked, each with where it came from: the
+        step's info file in storage last, and on rank 0 alone (one read, none at all
+        where an earlier source fits)."""
         mine = records.own(self.job, self.comm.rank)
         if mine is not None:
             yield mine.header.get("layouts"), f"the DDP layouts of this rank's step {mine.step}"
@@ -173,6 +192,9 @@ class Stepper:
                 yield _noted(path, self.job), path
             except ValueError as e:
                 log.warning("ignoring %s: %s (not a DDP bucket layout of this job)", path, e)
+        if directory is not None and step is not None and self.comm.rank == 0:
+            path = f"{step_dir(step)}/{INFO}"
+            yield _saved(directory, path), f"the DDP layouts in {directory}/{path}"
 
     def forget(self) -> None:
         """Drop every record of the job (it finished)."""
@@ -214,6 +236,18 @@ def _noted(path: str, job: str) -> Any:
     if "layouts" not in noted:
         raise ValueError("it names no layouts")
     return noted["layouts"] if noted.get("job") == job else None
+
+
+def _saved(directory: Directory, path: str) -> Any:
+    """The DDP layouts a save noted in its info file ``path`` (unchecked), None if there
+    are none or the file cannot be read (a step saved without them, a snapshot's step)."""
+    try:
+        return messages.json_object(directory.storage.read(path)).get("ddp_layouts")
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # a layout is an optimisation: never a reason to fail a restore
+        log.warning("ignoring %s/%s: %s (no DDP bucket layout read from it)", directory, path, e)
+        return None
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from unbroken.job import abort
@@ -68,15 +69,17 @@ def deferred(tensors: Sequence[torch.Tensor]) -> list[bool]:
     stepped: set[int] = set()
     for optimizer in list(_optimizers):
         for group in optimizer.param_groups:
-            stepped.update(p.untyped_storage().data_ptr() for p in group["params"])
+            stepped.update(_storage(p) for p in group["params"])
         for state in list(optimizer.state.values()):
-            stepped.update(
-                v.untyped_storage().data_ptr() for v in state.values() if torch.is_tensor(v)
-            )
-    return [
-        t.numel() > 0 and not t.is_inference() and t.untyped_storage().data_ptr() in stepped
-        for t in tensors
-    ]
+            stepped.update(_storage(v) for v in state.values() if torch.is_tensor(v))
+    return [t.numel() > 0 and not t.is_inference() and _storage(t) in stepped for t in tensors]
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where ``t``'s bytes live; a DTensor's (FSDP2's parameters and their optimizer state)
+    are its local shard's, as a DTensor itself has no storage to ask."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.untyped_storage().data_ptr()
 
 
 class Copy:

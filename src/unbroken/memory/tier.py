@@ -124,7 +124,7 @@ class Slots:
     def publish(self, slot: int, manifest_json: str) -> None:
         """Describe ``slot``: from now on it counts. A manifest received from another
         slot pair is rewritten to name this slot's file."""
-        manifest = Manifest.from_json(manifest_json.encode(), self.dir)
+        manifest = Manifest.from_json(manifest_json.encode(), self.dir, whole=False)
         file = os.path.basename(self._path(slot, "bin"))
         if set(manifest.files) != {file}:
             manifest_json = _renamed(manifest, file)
@@ -200,7 +200,7 @@ class Slots:
         where = self._path(slot, "json")
         try:
             job, rank, text = snapshot_description(read_own(where))
-            manifest = Manifest.from_json(text, where)
+            manifest = Manifest.from_json(text, where, whole=False)
         except (OSError, ValueError, CheckpointError):  # missing, unreadable, malformed
             return None
         owner = (job, rank, manifest.world_size)

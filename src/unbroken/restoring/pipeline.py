@@ -10,6 +10,7 @@ falls back to the next newest copy that verifies, or raises.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -232,8 +233,25 @@ def _targets(
                 if (c.ranks is None or rank in c.ranks)
                 and (not shape or overlap(offsets, shape, c.offsets, c.shape) is not None)
             ]
+            if not _covered(offsets, shape, chunks):
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {key!r}: its stored blocks cover only part of what "
+                    f"rank {rank} holds of it; the manifest is damaged or not trusted"
+                )
             targets.append(Target(key, entry, dest, region, offsets, chunks))
     return targets
+
+
+def _covered(offsets: list[int], shape: list[int], chunks: list[Any]) -> bool:
+    """Whether ``chunks`` fill the region at ``offsets`` of ``shape`` (blocks do not
+    overlap: `unbroken.format.validate`). A snapshot's manifest holds one rank's blocks,
+    so its validation cannot ask that they cover the whole tensor; this rank's part
+    must be covered all the same."""
+    volume = 0
+    for c in chunks:
+        region = overlap(offsets, shape, c.offsets, c.shape)
+        volume += 0 if region is None else math.prod(hi - lo for lo, hi in region)
+    return volume >= math.prod(shape)
 
 
 # -- apply ---------------------------------------------------------------------------

@@ -290,7 +290,7 @@ class ReplicaSource:
 
     def open(self) -> Manifest:
         if self._manifest is None:
-            manifest = Manifest.from_json(self._text.encode(), self.where)
+            manifest = Manifest.from_json(self._text.encode(), self.where, whole=False)
             if manifest.step != self.step:
                 raise CheckpointError(f"{self.where} holds step {manifest.step}")
             self._manifest = manifest

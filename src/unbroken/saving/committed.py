@@ -28,7 +28,7 @@ from typing import Any
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
 from unbroken.format.directory import Directory
-from unbroken.format.layout import step_dir
+from unbroken.format.layout import INFO, step_dir
 from unbroken.format.validate import info_fields
 from unbroken.restoring.sources import StorageSource
 from unbroken.retention import Info, KeepAny, KeepBest, KeepPerWindow, Retention, doomed
@@ -36,8 +36,6 @@ from unbroken.run import faults
 from unbroken.saving import claims
 
 log = logging.getLogger("unbroken")
-
-INFO = "info.json"  # in a step's folder: when it was committed, and its metric
 
 
 class Collector:

@@ -27,7 +27,7 @@ import torch
 from unbroken.errors import CheckpointError, StorageError
 from unbroken.format.blockio import run_all
 from unbroken.format.directory import Directory
-from unbroken.format.layout import step_dir
+from unbroken.format.layout import INFO, step_dir
 from unbroken.format.shards import local_block, write_blocks
 from unbroken.job import abort, overlap
 from unbroken.job.comm import Comm
@@ -35,7 +35,7 @@ from unbroken.retention import Info
 from unbroken.run import faults, worker
 from unbroken.saving import claims
 from unbroken.saving.checksums import Sums, checksums, layout
-from unbroken.saving.committed import INFO, Collector
+from unbroken.saving.committed import Collector
 from unbroken.saving.planning import Planner, refused
 from unbroken.saving.staging import Arena
 from unbroken.sdc import Known, Replicated
@@ -77,6 +77,7 @@ class Staged:
     error: str | None = None  # staging failed on this rank
     metric: float | None = None  # for retention (`KeepBest`); rank 0's counts
     rollback_from: int | None = None  # the step restored before, if it may roll back to it
+    layouts: dict[str, Any] = field(default_factory=dict)  # DDP buckets: rank 0's go in INFO
     replicated: list[int] = field(default_factory=list)  # blocks known replicated: `sdc.Known`
 
 
@@ -283,7 +284,10 @@ def _write(
     mine = set(writes)
     blocks = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
     later = [k for k, _ in blocks if k not in hashed]
-    text = json.dumps({"created": info.created, "metric": info.metric}).encode()
+    # The DDP bucket layouts (`unbroken.healing.ddp_buckets`): a restart that finds no
+    # shared memory restores from this step and still reduces as the saving run did.
+    layouts = {"ddp_layouts": staged.layouts} if staged.layouts else {}
+    text = json.dumps({"created": info.created, "metric": info.metric, **layouts}).encode()
     out: dict[str, Any] = {}
     jobs: list[Callable[[], object]] = [  # side by side on the process's IO workers
         lambda: out.update(where=write_blocks(storage, folder, rank, blocks, ctx.io_threads)),
