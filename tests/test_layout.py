@@ -85,7 +85,8 @@ def test_library_pipelines_never_import_the_facade():
 ORDER = (
     *("errors", "access", "tree", "state", "policies", "retention", "preemption", "options"),
     *("job", "run", "storage", "format", "sdc", "memory", "restoring", "healing", "saving"),
-    *("dcp", "lightning", "checkpointer", "unbroken", "goodput", "data", "demo", "cli"),
+    *("dcp", "lightning", "megatron", "checkpointer", "unbroken", "hf", "torchtitan"),
+    *("goodput", "data", "demo", "cli"),
     "__main__",
 )
 # A warm spare imports the whole library ahead of its assignment, to be ready sooner.
