@@ -11,6 +11,7 @@ import torch
 
 from ranks import run_ranks
 from unbroken import Checkpointer, CheckpointError
+from unbroken.format.layout import Manifest
 from unbroken.memory.snapshots import blocks_of, copy, seal
 from unbroken.memory.tier import OWN_SLOTS
 
@@ -211,3 +212,29 @@ def test_a_failure_the_snapshot_waited_for_is_raised_before_a_slot_is_overwritte
     ]
     assert copied == [] and sorted(memory.own.whole()) == [1]
     ckpt.close()
+
+
+@pytest.mark.parametrize("fresh_process", [False, True])
+def test_a_slot_being_overwritten_is_never_sent_and_the_others_still_are(tmp_path, fresh_process):
+    """A replication reads the slot of its step while the next snapshot takes another
+    (`begin` unlinks that one's description). What it sends is never the slot being
+    overwritten, and a description gone meanwhile does not fail the others: a restarted
+    rank, which knows its slots only from their files, sent nothing once (CI, 4ceff6e)."""
+    ckpt = _ckpt(str(tmp_path))
+    state = {"w": torch.zeros(1000)}
+    for step in (1, 2, 3):
+        state["w"].fill_(float(step))
+        ckpt.snapshot(step, state)
+        ckpt.wait()
+    ckpt.close()
+    memory = (_ckpt(str(tmp_path)) if fresh_process else ckpt)._memory
+    assert memory is not None
+    held = {slot: step for step, (slot, _) in memory.own.whole().items()}
+    slot, _ = memory.own.begin(4000)  # not the newest: step 1's or 2's
+    assert held.get(slot) in (1, 2) and slot not in {s for s, _ in memory.own.whole().values()}
+    with pytest.raises(CheckpointError, match=f"holds no snapshot of step {held[slot]}"):
+        memory.own.raw(held[slot])
+    text, data = memory.own.raw(3)
+    assert Manifest.from_json(text.encode(), "slot", whole=False).step == 3
+    assert torch.equal(data[:4000].view(torch.float32), torch.full((1000,), 3.0))
+    memory.own.release(slot)

@@ -90,6 +90,7 @@ class Slots:
                 raise CheckpointError(f"{self.dir}: every slot is in use; release one first")
             slot = min(free, key=lambda s: (s not in self._buffers, self._step(s), s))
             self._writing.add(slot)
+            self._published.pop(slot, None)  # `raw` must not send what is being overwritten
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(slot, "json"))  # from now on this slot is not whole
         current = self._buffers.get(slot)
@@ -138,18 +139,17 @@ class Slots:
             self.newest = slot
 
     def raw(self, step: int) -> tuple[str, torch.Tensor]:
-        """The manifest JSON and the bytes of the slot holding ``step``, to send."""
-        for slot in range(self.count):
-            published = self._published.get(slot)
-            if published is None:
-                manifest = self._load(slot)
-                if manifest is None:
-                    continue
-                text = snapshot_description(read_own(self._path(slot, "json")))[2].decode()
-                published = (manifest.step, text)
-            if published[0] == step:
-                buffer = self._buffers.get(slot)
-                return published[1], buffer if buffer is not None else self._map(slot)
+        """The manifest JSON and the bytes of the slot holding ``step``, to send. What
+        this process published first; a slot's file is read once, as a `begin` on
+        another thread may unlink it at any moment."""
+        found = {slot: p for slot, p in self._published.items() if p[0] == step}
+        for slot in range(self.count) if not found else ():
+            read = self._read(slot)
+            if read is not None and read[0].step == step:
+                found[slot] = (step, read[1])
+        for slot, published in found.items():
+            buffer = self._buffers.get(slot)
+            return published[1], buffer if buffer is not None else self._map(slot)
         raise CheckpointError(f"{self.dir} holds no snapshot of step {step}")
 
     def _map(self, slot: int) -> torch.Tensor:
@@ -197,6 +197,11 @@ class Slots:
             return None
 
     def _load(self, slot: int) -> Manifest | None:
+        read = self._read(slot)
+        return None if read is None else read[0]
+
+    def _read(self, slot: int) -> tuple[Manifest, str] | None:
+        """The manifest of ``slot`` and its JSON, if the slot is whole and this rank's."""
         where = self._path(slot, "json")
         try:
             job, rank, text = snapshot_description(read_own(where))
@@ -214,7 +219,7 @@ class Slots:
             return None
         if size != manifest.files.get(os.path.basename(data)):
             return None
-        return manifest
+        return manifest, text.decode()
 
 
 class MemoryTier:
