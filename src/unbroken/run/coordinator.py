@@ -48,6 +48,7 @@ What it decides, and nothing else (the node agents, `unbroken.run.agent`, do the
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import signal
@@ -333,6 +334,7 @@ def serve(
     coordinator = Coordinator(store, node_timeout, suspect_timeout, silence)
     coordinator.resume()
     coordinator.news = Listener(local, port)
+    gc.freeze()  # no full collection of torch's heap in the loop (see unbroken.run.cli)
     stop = threading.Event()
 
     def stopping(sig: int, frame: FrameType | None) -> None:
