@@ -4,15 +4,22 @@ bitwise equal to an uninterrupted run (2 gloo ranks, CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
+
+from unbroken.run.procs import descendants, kill_tree
 
 STEPS = 24
 SAVE_EVERY = 10
@@ -20,10 +27,16 @@ SAVE_EVERY = 10
 TRAIN = Path(__file__).with_name("train_job.py")
 
 
-def launch(tmp: Path, *options: str, replicas: int = 0) -> dict:
+def launch(
+    tmp: Path,
+    *options: str,
+    replicas: int = 0,
+    during: Callable[[subprocess.Popen[str]], None] | None = None,
+) -> dict:
     """`python -m unbroken.run --in-process OPTIONS train_job.py --in-process`: its
     timeline, final parameters, and the records each rank wrote at the start of each
-    generation (with the source of its state, see `source`)."""
+    generation (with the source of its state, see `source`). ``during`` runs on a
+    thread of its own while the launcher does."""
     tmp.mkdir(parents=True, exist_ok=True)
     out = tmp / "out"
     out.mkdir()
@@ -45,17 +58,18 @@ def launch(tmp: Path, *options: str, replicas: int = 0) -> dict:
         f"--replicas={replicas}",
     ]
     t0 = time.monotonic()
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=env) as proc:
+        if during is not None:
+            threading.Thread(target=during, args=(proc,), daemon=True).start()
+        try:
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            kill_tree(proc.pid)
+    assert proc.returncode == 0, stderr[-4000:]
     return {
         "seconds": time.monotonic() - t0,
-        "stderr": proc.stderr,
+        "stderr": stderr,
         "timeline": json.loads(timeline.read_text()),
         "params": [(out / f"final-{r}.bin").read_bytes() for r in range(2)],
         "starts": [
@@ -168,6 +182,36 @@ def test_hung_rank_is_found_and_replaced_in_process_bitwise(tmp_path, reference)
     assert [e["rank"] for e in hung] == [0]
     # Detected once the heartbeat is 4 s old, not at the collective's 30 s timeout.
     assert rec["detected_t"] - rec["fault_t"] < timeout + 2
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_stopped_before_its_first_beat_is_found_and_replaced(tmp_path, reference):
+    """A warm spare SIGSTOPped before it runs its assignment (a machine that hangs as
+    its rank joins) never beats. It is judged by the beat its supervisor wrote for it
+    at the assignment, a heartbeat timeout later, and replaced; it used to be judged
+    never, and the healthy rank waited out every join of every generation."""
+    timeout, stopped = 4, list[int]()
+
+    def stop_the_first_spare(launcher: subprocess.Popen[str]) -> None:
+        while launcher.poll() is None and not stopped:
+            for pid in descendants(launcher.pid):
+                with contextlib.suppress(OSError):
+                    if b"unbroken.run.spare" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        os.kill(pid, signal.SIGSTOP)
+                        stopped.append(pid)
+                        break
+            time.sleep(0.01)
+
+    options = ["--nproc-per-node=2", "--warm-spare", f"--heartbeat-timeout={timeout}"]
+    fault = "--inject-fault=kill rank=1 step=11"
+    run = launch(tmp_path, *options, fault, during=stop_the_first_spare)
+    assert run["params"] == reference["params"]
+    [spare] = stopped
+    hangs = [e for e in run["timeline"]["events"] if e["event"] == "hang_detected"]
+    assert hangs and hangs[0]["ranks"] == [1], run["stderr"][-3000:]
+    assert spare not in {s["pid"] for s in run["starts"]}, "the stopped spare never started"
+    assert len({s["pid"] for s in starts_of(run, 0)}) == 1, "the healthy rank kept its process"
+    assert len({s["pid"] for s in starts_of(run, 1)}) == 2
 
 
 @pytest.mark.timeout(60)

@@ -321,8 +321,7 @@ class NodeAgent(Supervisor):
         if self.probing is None:
             return
         generation, deadline = self.probing
-        answered = set(self.reached("peer_failure", generation))
-        answered |= set(self.reached("init_failed", generation))
+        answered = self.answered(generation)
         live = {w.rank: w for w in self.workers.values() if w.proc and w.proc.poll() is None}
         silent = sorted(set(live) - answered - {w.rank for w in self.workers.values() if w.done})
         if silent and time.monotonic() < deadline:

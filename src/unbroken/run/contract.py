@@ -102,6 +102,12 @@ def heartbeat_file(rank: int) -> str:
     return f"{HEARTBEAT_PREFIX}{rank}"
 
 
+def heartbeat_line(step: int, t: float, pid: int, attempt: int) -> bytes:
+    """A heartbeat: ``rank-<rank>``'s one line, fixed width, rewritten in place."""
+    line = f"{step} {t:.6f} {pid} {attempt}"
+    return line.ljust(HEARTBEAT_BYTES - 1).encode() + b"\n"
+
+
 def events_file(rank: int, pid: int) -> str:
     return f"{EVENTS_PREFIX}{rank}-{pid}.jsonl"
 

@@ -50,6 +50,7 @@ from unbroken.run.watch import Stale, Watch
 
 AFTER_KILL = "the supervisor replaces that rank only"  # what follows a watchdog kill
 PROBE_S = 1.0  # how long ranks have to answer an abort after a hang (ms if alive)
+COLD_START_S = 300.0  # a cold rank imports torch before its first beat; a spare did already
 
 
 @dataclass
@@ -151,6 +152,7 @@ class Supervisor:
                 self.command(), env={**self.base_env(), **env}, start_new_session=True
             )
         self.workers[rank] = worker
+        self.watch.expect(rank, worker.proc.pid, generation, 0 if spare else COLD_START_S)
         self.timeline.add(
             "respawn" if generation else "spawn",
             f"rank {rank} (pid {worker.proc.pid}) started for generation {generation}"
@@ -272,9 +274,9 @@ class Supervisor:
         if self.probing is None:
             return
         generation, deadline = self.probing
-        answered = self.reached("peer_failure", generation)
+        answered = self.answered(generation)
         live = {w.rank: w for w in self.workers.values() if w.proc and w.proc.poll() is None}
-        silent = sorted(set(live) - set(answered))
+        silent = sorted(set(live) - answered)
         if silent and time.monotonic() < deadline:
             return
         self.probing = None
@@ -285,6 +287,12 @@ class Supervisor:
             self.kill_hung(rank, proc, AFTER_KILL)
         if not silent:
             self.recover([])
+
+    def answered(self, generation: int) -> set[int]:
+        """The ranks that answered an abort of ``generation``: each said it lost a peer,
+        or, still joining, that its join failed (a peer never joined)."""
+        failed = self.reached("peer_failure", generation)
+        return {*failed, *self.reached("init_failed", generation)}
 
     def kill_hung(self, rank: int, proc: subprocess.Popen[bytes], after: str) -> None:
         """SIGKILL ``rank``'s process, which did not answer an abort, and say so."""

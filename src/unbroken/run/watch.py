@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any, NamedTuple, Protocol
 
+from unbroken.access import Access
 from unbroken.run import contract, reached
 from unbroken.run.procs import alive
 from unbroken.run.timeline import Timeline
@@ -167,6 +168,22 @@ class Watch:
                 stale.append(Stale(step, t, rank, pid))
         if stale and time.monotonic() - self.last_kill > self.timeout:
             self.hooks.on_hang(stale, now)
+
+    def expect(self, rank: int, pid: int, attempt: int, grace: float = 0.0) -> None:
+        """Beat once for ``rank``'s new process ``pid``: one that stops before its own
+        first beat (a spare stopped as it was assigned) is judged hung like any other,
+        a heartbeat timeout (plus ``grace``) after it was given the rank."""
+        old = self.beats.get(rank)
+        line = contract.heartbeat_line(
+            -1 if old is None else old.step, time.time() + grace, pid, attempt
+        )
+        fd = Access.from_env().open(
+            os.path.join(self.dir, contract.heartbeat_file(rank)), os.O_WRONLY
+        )
+        try:
+            os.pwrite(fd, line, 0)
+        finally:
+            os.close(fd)
 
     def _last_step(self, pid: int, beat_step: int) -> int:
         """The last step an exited ``pid`` reached. Heartbeats are written at most every

@@ -180,8 +180,7 @@ class LaunchContext:
         if self.fd is None:
             path = os.path.join(self.dir, contract.heartbeat_file(self.rank))
             self.fd = Access.from_env().open(path, os.O_WRONLY)
-        line = f"{step} {time.time():.6f} {os.getpid()} {self.attempt}"
-        os.pwrite(self.fd, line.ljust(contract.HEARTBEAT_BYTES - 1).encode() + b"\n", 0)
+        os.pwrite(self.fd, contract.heartbeat_line(step, time.time(), os.getpid(), self.attempt), 0)
         self.last_beat, self.beat_step = now, step
 
     def tick(self, step: int) -> None:
