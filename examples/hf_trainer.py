@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 
 import torch
@@ -74,8 +75,13 @@ def train() -> None:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
+    losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    logged = hashlib.sha256(json.dumps(losses).encode()).hexdigest()[:16]
     if training.process_index == 0:
-        print(f"finished at step {trainer.state.global_step}, parameters {digest.hexdigest()[:16]}")
+        print(
+            f"finished at step {trainer.state.global_step}, parameters {digest.hexdigest()[:16]}, "
+            f"{len(losses)} losses logged {logged}"
+        )
 
 
 unbroken.run.in_process(train)  # initialises the process group; reruns train() after a fault

@@ -28,6 +28,7 @@ from transformers import (
 import unbroken
 from unbroken.hf import accelerate as hf_accelerate
 from unbroken.hf.trainer import Checkpointing
+from unbroken.policies import Every, Policy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,7 +107,7 @@ class _Trainer(Checkpointing, Trainer):
     pass
 
 
-def _trainer(path: Path, *callbacks: TrainerCallback) -> _Trainer:
+def _trainer(path: Path, *callbacks: TrainerCallback, **options: Any) -> _Trainer:
     """A tiny Llama with dropout; the Trainer makes its optimizer and scheduler, so the
     tensors are restored once they exist, after the TrainerState."""
     config = LlamaConfig(
@@ -121,7 +122,7 @@ def _trainer(path: Path, *callbacks: TrainerCallback) -> _Trainer:
         report_to="none", disable_tqdm=True,
     )  # fmt: skip
     data = [{"input_ids": t, "labels": t} for t in tokens]
-    ckpt = unbroken.Checkpointer(path / "ckpt", keep=1)
+    ckpt = unbroken.Checkpointer(path / "ckpt", keep=1, **options)
     model = LlamaForCausalLM(config)
     return _Trainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks),
                     checkpointer=ckpt)  # fmt: skip
@@ -145,6 +146,35 @@ def test_the_trainer_resumes_from_storage_mid_epoch_bitwise(tmp_path):
     assert [step for step, _ in losses(resumed)] == list(range(1, 15))
 
 
+def test_a_step_records_history_is_bounded_and_a_resume_joins_it_to_a_save(tmp_path):
+    """Every step's snapshot holds the TrainerState with only the log entries after the
+    save before the newest (the history grows with the run; a record must not). Crashed
+    at step 10, the run resumes from the snapshot of step 9 in memory: its history is
+    the save of step 8's (keep=1: step 4's is gone) joined to step 9's entry, and the
+    whole run's history and parameters are the uninterrupted run's."""
+    snapshots = {"memory": True, "memory_dir": str(tmp_path / "shm")}
+    policy = Policy(snapshot=Every(steps=1))
+    reference = _trainer(tmp_path / "reference")
+    reference.train()
+    crashed = _trainer(tmp_path / "run", _Crash(), policy=policy, **snapshots)
+    with pytest.raises(RuntimeError, match="crash at step 10"):
+        crashed.train(resume_from_checkpoint=True)
+    record = json.loads(crashed._recorded()["trainer"])
+    assert record["unbroken_log_since"] == 4  # saves began at 4 and 8: 8 may not commit
+    assert [h["step"] for h in record["log_history"]] == [5, 6, 7, 8, 9]
+    crashed.checkpointer.wait()
+    assert crashed.checkpointer.steps() == [8]
+    resumed = _trainer(tmp_path / "run", policy=policy, **snapshots)
+    resumed.train(resume_from_checkpoint=True)
+    restored = resumed.checkpointer.last_restore
+    assert restored is not None and (restored.step, restored.origin.kind) == (9, "memory")
+    for got, want in zip(resumed.model.parameters(), reference.model.parameters(), strict=True):
+        assert torch.equal(got, want)
+    losses = lambda t: [(h["step"], h["loss"]) for h in t.state.log_history if "loss" in h]  # noqa: E731
+    assert losses(resumed) == losses(reference)
+    assert [step for step, _ in losses(resumed)] == list(range(1, 15))
+
+
 def _example(run_dir: Path, *options: str) -> tuple[str, dict]:
     """`unbroken run OPTIONS examples/hf_trainer.py`: its output and its timeline."""
     timeline = run_dir.parent / f"{run_dir.name}.json"
@@ -158,7 +188,8 @@ def _example(run_dir: Path, *options: str) -> tuple[str, dict]:
 @pytest.mark.timeout(480)
 def test_the_trainer_heals_a_killed_rank_in_process_bitwise(tmp_path):
     """Killed at step 10, rank 1 alone starts again and takes step 10 from rank 0's live
-    state; no step is trained twice and the parameters are the uninterrupted run's."""
+    state; no step is trained twice, and the parameters and every logged loss are the
+    uninterrupted run's (rank 0 is healthy, but its Trainer is new: its history is restored)."""
     fault = "kill rank=1 step=10"
     healed, timeline = _example(
         tmp_path / "healed", "--in-process", "--simulate-nodes=2", "--nproc-per-node=1",
@@ -167,5 +198,8 @@ def test_the_trainer_heals_a_killed_rank_in_process_bitwise(tmp_path):
     [recovery] = timeline["recoveries"]
     assert (recovery["respawned"], recovery["first_step"], recovery["steps_redone"]) == ([1], 11, 0)
     clean, _ = _example(tmp_path / "clean", "--nproc-per-node=2")
-    digests = [re.findall(r"finished at step 16, parameters (\w+)", out) for out in (healed, clean)]
-    assert digests[0] and digests[0] == digests[1]
+    ends = [
+        re.findall(r"finished at step 16, parameters (\w+), 16 losses logged (\w+)", out)
+        for out in (healed, clean)
+    ]
+    assert ends[0] and ends[0] == ends[1]  # the parameters, and every step's logged loss

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from transformers.trainer_callback import ExportableState, TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from unbroken.errors import CheckpointError
 from unbroken.hf.accelerate import LaterRNG, unwrapped
@@ -39,18 +40,8 @@ if TYPE_CHECKING:
     from unbroken import Checkpointer
 
 _STATE_FILE = "trainer_state.json"  # the one file the Trainer reads from its resume folder
-
-
-class _Steps(TrainerCallback):
-    """``checkpointer.step`` after every optimizer step: the heartbeat and injected faults
-    of `unbroken run`, the checkpointer's policy (snapshots, saves), and what lets a
-    restore heal from live replicas."""
-
-    def __init__(self, trainer: Checkpointing) -> None:
-        self.trainer = trainer
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.checkpointer.step(state.global_step, self.trainer.training_state())
+_SINCE = "unbroken_log_since"  # in a step record's TrainerState: its history starts after
+log = logging.getLogger(__name__)
 
 
 class Checkpointing:
@@ -64,7 +55,8 @@ class Checkpointing:
         self._rng = LaterRNG()
         self._resume: int | None = None
         self._tensors_due = False
-        self.add_callback(_Steps(self))  # type: ignore[attr-defined]
+        self._saves: list[tuple[int, int]] = []  # the last two saves: step, log entries
+        self._recorded_step: int | None = None
         if self.args.load_best_model_at_end:
             raise CheckpointError(
                 "load_best_model_at_end reloads a checkpoint folder of the Trainer's own; "
@@ -83,19 +75,58 @@ class Checkpointing:
     control: Any
     hp_search_backend: Any
 
-    def training_state(self) -> dict[str, Any]:
-        """What a step holds: the entries saved and restored, by name."""
+    def training_state(self, trainer: str | None = None) -> dict[str, Any]:
+        """What a step holds: the entries saved and restored, by name; ``trainer`` is the
+        TrainerState's JSON (default: all of it)."""
         state: dict[str, Any] = {
             "model": self.model,
             "optim": unwrapped(self.optimizer),
             "sched": self.lr_scheduler,
             "rng": self._rng,
-            "trainer": json.dumps(dataclasses.asdict(self.state), sort_keys=True),
+            "trainer": trainer or json.dumps(dataclasses.asdict(self.state), sort_keys=True),
         }
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None:
             state["scaler"] = scaler
         return state
+
+    def _recorded(self) -> dict[str, Any]:
+        """What each step's record (and a policy's snapshot or save) holds: the log
+        history grows with the run, so only the entries after the save before the newest
+        go in, with that save's step; a restore finds the rest in a committed save
+        (`_history`). Bounded by two save intervals, not O(steps) every step."""
+        since, kept = self._saves[0] if len(self._saves) == 2 else (None, 0)
+        history = self.state.log_history
+        self.state.log_history = history[kept:]
+        try:
+            fields = dataclasses.asdict(self.state)
+        finally:
+            self.state.log_history = history
+        fields[_SINCE] = since
+        return self.training_state(json.dumps(fields, sort_keys=True))
+
+    def _history(self, fields: dict[str, Any], step: int) -> list[dict[str, Any]]:
+        """The whole log history up to ``step``, from a restored TrainerState: a save's
+        holds it; a record's holds the entries after save ``since``, and the rest comes
+        from the newest committed save between the two that holds a whole history. That
+        save (or ``step``'s own) is where the next records' histories start."""
+        if _SINCE not in fields:
+            self._saves = [(step, len(fields["log_history"]))] * 2
+            return list(fields["log_history"])
+        since, tail = fields.pop(_SINCE), fields["log_history"]
+        for saved in reversed(self.checkpointer.steps() if since is not None else ()):
+            if since <= saved <= step:
+                held = json.loads(self.checkpointer.manifest(saved).objects_for(0)["trainer"])
+                if _SINCE not in held:
+                    self._saves = [(saved, len(held["log_history"]))] * 2
+                    return [*held["log_history"], *(h for h in tail if h.get("step", 0) > saved)]
+        if since is not None:
+            log.warning(
+                "step %d's TrainerState holds the log history after step %d only, and no "
+                "committed save of steps %d..%d holds the rest: the history starts there",
+                step, since, since, step,
+            )  # fmt: skip
+        return list(tail)
 
     def train(
         self,
@@ -137,12 +168,26 @@ class Checkpointing:
         if self._resume is None:
             return None
         self._tensors_due = not whole
+        self._recorded_step = self._resume
+        fields = json.loads(state["trainer"])
+        fields["log_history"] = self._history(fields, self._resume)
         folder = tempfile.mkdtemp(prefix="unbroken-trainer-")
         with open(os.path.join(folder, _STATE_FILE), "w") as f:
-            f.write(state["trainer"])
+            json.dump(fields, f, sort_keys=True)
         return folder
 
     # -- the Trainer's checkpoint reads and writes ------------------------------------
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, evaluation and save of a step, then ``checkpointer.step``:
+        the heartbeat and faults of `unbroken run`, the checkpointer's policy (snapshots,
+        saves), the record a restore heals from live replicas with. After the log, so
+        the record holds the step's entry; once a step (the Trainer comes here again at
+        the end of an epoch)."""
+        super()._maybe_log_save_evaluate(*args, **kwargs)  # type: ignore[misc]
+        if self.state.global_step != self._recorded_step:
+            self._recorded_step = self.state.global_step
+            self.checkpointer.step(self.state.global_step, self._recorded())
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         if self.hp_search_backend is None and trial is None:
@@ -155,6 +200,7 @@ class Checkpointing:
                 else:
                     held[name] = cb.state()
         self.checkpointer.save(self.state.global_step, self.training_state(), blocking=False)
+        self._saves = [*self._saves[-1:], (self.state.global_step, len(self.state.log_history))]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if self._resume is None:
