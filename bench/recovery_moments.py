@@ -161,9 +161,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=50)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--keep", type=Path, help="run in this (new) folder and keep it")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="moments-") as tmp:
-        summary = run(args.kills, Path(tmp), args.seed)
+    if args.keep:
+        summary = run(args.kills, args.keep, args.seed)
+    else:
+        with tempfile.TemporaryDirectory(prefix="moments-") as tmp:
+            summary = run(args.kills, Path(tmp), args.seed)
     print()
     table(summary)
     print("RESULT " + json.dumps(summary))

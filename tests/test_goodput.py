@@ -183,6 +183,22 @@ def test_a_real_failure_during_recovery(tmp_path):
     assert len(tl.recoveries()) == 2 and tl.recoveries()[1]["first_step_t"] == 15.5
 
 
+def test_a_fault_at_step_1_is_one_failure_though_a_rank_logs_its_first_step_after_it():
+    """A kill at step 1: a peer's first step of the run is logged just after the fault.
+    It is of the attempt the fault struck in, so it does not end that failure, and the
+    killed rank's exit is the same failure, not a second, real one."""
+    events = [*proc(0, 100, 0.0, 1.0), *proc(1, 101, 0.0, 1.0)]
+    events += [ev("first_step", 2.0, 1, 101, step=1)]
+    events += [ev("fault", 2.01, 1, 101, spec="kill rank=1 step=1", step=1)]
+    events += [ev("first_step", 2.02, 0, 100, step=1)]
+    events += [{"event": "worker_exit", "t": 2.1, "rank": 1, "pid": 101, "attempt": 0}]
+    events += [{"event": "respawn", "t": 2.1, "rank": 1, "pid": 102, "generation": 1}]
+    events += [ev("first_step", 4.0, r, 100 + 2 * r, attempt=1, step=2) for r in (0, 1)]
+    tl = Timeline(t0=0.0, events=[dict(e) for e in events], mode="in-process")
+    assert [r["fault"] for r in tl.recoveries()] == ["kill rank=1 step=1"]
+    assert "real failure" not in tl.summary()
+
+
 # -- the worker's event log ----------------------------------------------------------
 
 

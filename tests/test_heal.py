@@ -95,6 +95,21 @@ def test_killed_rank_heals_from_live_replicas_bitwise(tmp_path, reference, when)
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_lost_before_ddp_rebuilt_its_buckets_heals_bitwise(tmp_path, reference):
+    """Killed after step 1: DDP reduced that step in its initial bucket layout and
+    rebuilds the buckets (from the order the gradients became ready) only as step 2
+    starts, so no rebuilt layout exists yet. The new wrappers are given the layout the
+    old ones were about to rebuild (`ddp_buckets.Tracker` saw the ready order), and
+    step 2 reduces as in the uninterrupted run: bitwise."""
+    victim = random.randrange(WORLD)
+    fault = f"kill rank={victim} step=1"
+    run = launch(tmp_path, "--in-process", "--simulate-nodes=2", "--nproc-per-node=2",
+                 f"--inject-fault={fault}")  # fmt: skip
+    assert [r["respawned"] for r in run["timeline"]["recoveries"]] == [[victim]]
+    assert run["params"] == reference["params"], fault
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_lost_while_healing_another_is_replaced_too_bitwise(tmp_path, reference):
     """A second failure during a recovery: rank 0 dies as it is about to heal rank 3's
     replacement. Generation 1 is aborted while its ranks heal or still join, generation
@@ -309,6 +324,39 @@ def test_a_model_wrapped_part_by_part_counts_as_data_parallel_once_every_part_ra
     from ranks import run_ranks
 
     assert run_ranks(_parts_job, world=1, timeout=60) == [[False, False, True, True]]
+
+
+def test_the_layout_ddp_is_about_to_rebuild_is_known_after_its_first_backward():
+    from ranks import run_ranks
+
+    found, _ = run_ranks(_pending_job, world=2, timeout=60)
+    for name, (pending, rebuilt, initial) in found.items():
+        assert pending == rebuilt, name
+        assert rebuilt != initial, name  # the case the test is for
+
+
+def _pending_job(rank: int, world: int) -> dict[str, tuple]:
+    """After one iteration the tracker knows the layout DDP rebuilds as the second
+    starts: with the default caps (a 1 MiB first bucket before a layer larger than
+    it), and with small caps that split the parameters into many buckets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from unbroken.healing.ddp_buckets import Tracker, layout_now
+
+    found = {}
+    for name, cap in (("default", None), ("small buckets", 0.004)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 600), nn.Tanh(), nn.Linear(600, 600), nn.Tanh(),
+                              nn.Linear(600, 8), nn.Linear(8, 8))  # fmt: skip
+        tracker = Tracker()
+        ddp = DistributedDataParallel(model, bucket_cap_mb=cap)
+        initial = layout_now(ddp)
+        ddp(torch.ones(2, 16)).sum().backward()
+        pending = tracker.layouts({"model": model}).get("model")
+        ddp(torch.ones(2, 16)).sum().backward()  # DDP rebuilds as this forward starts
+        found[name] = (pending, layout_now(ddp), initial)
+        tracker.stop()
+    return found if rank == 0 else {}
 
 
 def _parts_job(rank: int, world: int) -> list[bool]:

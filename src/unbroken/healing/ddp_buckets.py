@@ -17,16 +17,23 @@ The reducer then rebuilds once more after that iteration, from the gradients' re
 order, which is the same order again: nothing changes. Wrappers built with
 ``static_graph=True`` or ``find_unused_parameters=True`` are left as they are (the first
 has no rebuild to match for; the second never rebuilds).
+
+A wrapper lost after its first iteration and before its second has run no rebuild yet,
+but its next iteration would have: it is owed the layout DDP was about to build. The
+tracker watches each wrapper's first backward for the order its gradients become ready
+(`Ready`) and computes that layout as DDP's reducer does (`pending`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -53,6 +60,9 @@ class Tracker:
         self._known: weakref.WeakKeyDictionary[DistributedDataParallel, Layout] = (
             weakref.WeakKeyDictionary()
         )
+        self._ready: weakref.WeakKeyDictionary[DistributedDataParallel, Ready] = (
+            weakref.WeakKeyDictionary()
+        )
         self._settles = 0
         self._handle: RemovableHandle | None = nn.modules.module.register_module_forward_pre_hook(
             self._hook
@@ -66,6 +76,12 @@ class Tracker:
         owed = self._owed.pop(id(module.module), None)
         if owed is not None:
             apply(module, owed)
+        ready = self._ready.get(module)
+        if ready is not None:
+            if not ready.complete():
+                ready.close()  # a backward that did not reach every parameter: no layout
+        elif _first_synced(module):
+            self._ready[module] = Ready(module)
 
     def owe(self, state: Mapping[str, Any], layouts: Mapping[str, Layout]) -> None:
         """Apply ``layouts`` (by `key`) to the wrappers in ``state`` now, and to wrappers
@@ -100,6 +116,9 @@ class Tracker:
             known = self._known.get(wrapper)
             if known is None:
                 known = layout(wrapper)
+                ready = self._ready.get(wrapper)
+                if known is None and ready is not None and ready.complete():
+                    known = pending(wrapper, ready.order)
                 if known is not None:
                     self._known[wrapper] = known
             if known is not None:
@@ -130,6 +149,35 @@ class Tracker:
             self._handle.remove()
             self._handle = None
             self._owed.clear()
+        for ready in self._ready.values():
+            ready.close()
+
+
+class Ready:
+    """The order in which a wrapper's parameters get their gradients in its first
+    backward (reducer indices): what DDP rebuilds its buckets from."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        params, _ = ddp._build_params_for_reducer()
+        self.order: list[int] = []
+        self._count = len(params)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self._seen(i))
+            for i, p in enumerate(params)
+        ]
+
+    def _seen(self, index: int) -> None:
+        self.order.append(index)
+        if self.complete():
+            self.close()
+
+    def complete(self) -> bool:
+        return len(self.order) == self._count
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def check_layouts(raw: Any, state: Mapping[str, Any]) -> dict[str, Layout]:
@@ -191,9 +239,19 @@ def _eligible(ddp: DistributedDataParallel) -> bool:
     )
 
 
+def _first_synced(ddp: DistributedDataParallel) -> bool:
+    """Whether this forward's backward is the one DDP rebuilds its buckets from."""
+    synced = torch.is_grad_enabled() and ddp.require_backward_grad_sync
+    return synced and _eligible(ddp) and not _rebuilt(ddp)
+
+
+def _rebuilt(ddp: DistributedDataParallel) -> bool:
+    return bool(ddp._get_ddp_logging_data().get("has_rebuilt_buckets"))
+
+
 def layout(ddp: DistributedDataParallel) -> Layout | None:
     """The wrapper's bucket layout once its buckets are rebuilt, else None."""
-    if not _eligible(ddp) or not ddp._get_ddp_logging_data().get("has_rebuilt_buckets"):
+    if not _eligible(ddp) or not _rebuilt(ddp):
         return None
     params, _ = ddp._build_params_for_reducer()
     index = {id(p): i for i, p in enumerate(params)}
@@ -204,6 +262,29 @@ def layout(ddp: DistributedDataParallel) -> Layout | None:
             return None
         found.append([int(i) for i in ids if i is not None])
     return found
+
+
+def pending(ddp: DistributedDataParallel, order: list[int]) -> Layout | None:
+    """The layout ``ddp``'s reducer rebuilds from gradients ready in ``order``, assigned
+    by DDP's own function with the reducer's size limits; None where DDP is told to
+    assign in reverse (``DDP_SET_LAST_BUCKET_CAP``)."""
+    if os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1":
+        return None
+    params, expect_sparse = ddp._build_params_for_reducer()
+    config = getattr(ddp, "_bucket_config", None)
+    limits: list[int] = []
+    if config is not None:  # torch >= 2.10: per-bucket limits where the user set them
+        _, limits = config.compute_bucket_size_limits(
+            static_graph=False, find_unused_parameters=False
+        )
+        first = config.first_bucket_bytes_cap
+    else:
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES if ddp.bucket_bytes_cap_default else None
+    limits = limits or [first or ddp.bucket_bytes_cap, ddp.bucket_bytes_cap]
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        [params[i] for i in order], limits, expect_sparse, order
+    )
+    return [[int(i) for i in bucket] for bucket in buckets]
 
 
 def apply(ddp: DistributedDataParallel, wanted: Layout) -> bool:

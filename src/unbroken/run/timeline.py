@@ -146,6 +146,7 @@ def failures(events: list[Event], last_step: dict[int, tuple[int, float]]) -> li
     (step, t)), at the step it last completed."""
     out: list[Event] = []
     open_: float | None = None  # when the failure still being recovered from struck
+    struck: int | None = None  # in which attempt (generation): its first steps are not after it
     ended_ok = any(e["event"] == "done" and e.get("exit_code") == 0 for e in events)
     started = {
         e["pid"]: e["t"] if e.get("process_start") is None else e["process_start"]
@@ -155,16 +156,23 @@ def failures(events: list[Event], last_step: dict[int, tuple[int, float]]) -> li
     for i, e in enumerate(events):
         if e["event"] == "fault":
             out.append(e)
-            open_ = e["t"]
-        elif e["event"] == "first_step":
+            open_, struck = e["t"], e.get("attempt")
+        elif e["event"] == "first_step" and not _same_attempt(e, struck):
             open_ = None
         elif e["event"] in DETECTIONS and (open_ is None or started.get(e.get("pid"), 0) > open_):
             restarted = any(x["event"] in ("process_start", "respawn") for x in events[i:])
             if ended_ok and not restarted and e["event"] != "remote_failure":
                 continue  # the workers finished: a launch that ends well had no failure
             out.append(_real_failure(e, events, last_step))
-            open_ = out[-1]["t"]
+            open_, struck = out[-1]["t"], e.get("attempt")
     return out
+
+
+def _same_attempt(first_step: Event, struck: int | None) -> bool:
+    """Whether ``first_step`` is of the attempt a failure struck in (a rank's first step
+    of the run, logged after a fault at step 1): not the first step after the failure."""
+    attempt = first_step.get("attempt")
+    return struck is not None and attempt is not None and attempt <= struck
 
 
 def _real_failure(
