@@ -118,6 +118,49 @@ def _connections() -> list[tuple[tuple[str, int], tuple[str, int]]]:
     return found
 
 
+JOINED_TIMEOUT_S = 10  # the group's timeout in the join test: the old wait's bound
+LEFT_S = 6.0  # how long the rank that left for the next generation stays alive
+
+
+def _left_behind_in_a_join(rank: int, world: int) -> dict[str, object]:
+    """Rank 0 is aborted as its group is created and leaves (for the next generation,
+    alive); rank 1's abort comes 0.5 s into sharing the group's listeners, which waits
+    on rank 0 over a connection no abort knows yet."""
+    import torch.distributed as dist
+
+    from unbroken.job.comm import gloo_group
+
+    abort.begin()
+    make = lambda: dist.new_group(backend="gloo", timeout=timedelta(seconds=JOINED_TIMEOUT_S))  # noqa: E731
+    if rank == 0:
+        aborted = lambda: (make(), abort.shutdown())[0]  # noqa: E731
+        try:
+            gloo_group(aborted)
+        except PeerLostError as e:
+            time.sleep(LEFT_S)  # in the next generation: its listener still accepts
+            return {"raised": str(e)}
+        return {"raised": None}
+    threading.Timer(0.5, abort.shutdown).start()
+    started = time.monotonic()
+    try:
+        gloo_group(make)
+    except Exception as e:
+        return {"after_s": time.monotonic() - started, "error": f"{type(e).__name__}: {e}"}
+    return {"after_s": None}
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_aborted_as_it_joins_a_group_never_waits_for_peers_that_left():
+    """A node lost as a generation forms: a rank still building its group when the abort
+    came stops at once; one already sharing the group's listeners with a peer that left
+    stops at its abort, not when the peer goes away or at the group's timeout (it once
+    waited the whole timeout, and the generation after it with it)."""
+    left, joining = run_ranks(_left_behind_in_a_join, timeout=60)
+    assert "stopped because a peer failed" in str(left["raised"]), left
+    assert str(joining["error"]).startswith("PeerLostError"), joining
+    assert joining["after_s"] is not None and 0.4 < float(joining["after_s"]) < 3, joining
+
+
 @pytest.mark.timeout(90)
 def test_abort_frees_a_collective_stuck_on_a_stopped_peer_over_a_lazy_connection():
     """The connection was made after the group was built, from this rank to the stopped

@@ -49,13 +49,14 @@ import socket
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from unbroken.errors import PeerLostError
 
 log = logging.getLogger("unbroken")
+T = TypeVar("T")
 
 POLL_S = 0.05  # how often waits of the Checkpointer look for an abort
 SETTLE_S = 60.0  # the longest a save waits for an abandoned save (then goes on, warned)
@@ -137,6 +138,29 @@ def check(what: str) -> None:
         raise PeerLostError(
             f"{what}: stopped because a peer failed; in-process recovery restarts training"
         )
+
+
+def waited(what: str, fn: Callable[[], T]) -> T:
+    """``fn()``, collective work on connections `shutdown` cannot know yet (those it
+    makes as it runs), on a thread of its own, waited for in bounded waits that raise
+    once the generation is aborted: a rank aborted as it joins a group never waits out
+    the group's timeout for peers that have left for the next generation. The thread
+    left behind ends at that timeout."""
+    check(what)
+    done: futures.Future[T] = futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as e:
+            done.set_exception(e)
+
+    threading.Thread(target=run, name="unbroken-joining-group", daemon=True).start()
+    while True:
+        try:
+            return done.result(timeout=POLL_S)
+        except futures.TimeoutError:
+            check(what)
 
 
 @contextlib.contextmanager

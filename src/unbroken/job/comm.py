@@ -302,11 +302,13 @@ class _Kept:
 def gloo_group(create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
     """The gloo group ``create`` makes (collective), connecting lazily; under in-process
     recovery its ranks then share their listeners' addresses with `abort` (one
-    all-gather), so that an abort reaches connections made at any later moment."""
+    all-gather, itself waited for in bounded waits: `abort` cannot know its connections
+    yet), so that an abort reaches connections made at any later moment."""
     with abort.tracking() as listeners, _lazy():
         group = create()
     if abort.poll_s() is not None and dist.get_rank(group) >= 0:
-        rows = _all_gather(group, listeners)
+        abort.adopt(listeners)
+        rows = abort.waited("sharing a group's listeners", lambda: _all_gather(group, listeners))
         abort.adopt([(str(host), int(port)) for row in rows for host, port in row])
     return group
 
