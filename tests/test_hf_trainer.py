@@ -27,7 +27,7 @@ from transformers import (
 
 import unbroken
 from unbroken.hf import accelerate as hf_accelerate
-from unbroken.hf.trainer import Checkpointing
+from unbroken.hf.trainer import Checkpointing, saved_state
 from unbroken.policies import Every, Policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,6 +173,19 @@ def test_a_step_records_history_is_bounded_and_a_resume_joins_it_to_a_save(tmp_p
     losses = lambda t: [(h["step"], h["loss"]) for h in t.state.log_history if "loss" in h]  # noqa: E731
     assert losses(resumed) == losses(reference)
     assert [step for step, _ in losses(resumed)] == list(range(1, 15))
+
+
+def test_a_save_without_a_trainer_state_is_passed_over_when_joining_a_history(tmp_path):
+    """Saves made in the Trainer's folder by other code hold no TrainerState (or one
+    that is not one): the join of a record's history passes over them."""
+    ckpt = unbroken.Checkpointer(tmp_path / "ckpt")
+    ckpt.save(1, {"w": torch.ones(2)})
+    ckpt.save(2, {"w": torch.ones(2), "trainer": "not JSON"})
+    ckpt.save(3, {"w": torch.ones(2), "trainer": json.dumps({"log_history": "no"})})
+    ckpt.save(4, {"trainer": json.dumps({"log_history": [{"step": 4}]})})
+    found = [saved_state(ckpt.manifest(step)) for step in (1, 2, 3, 4)]
+    ckpt.close()
+    assert found == [None, None, None, {"log_history": [{"step": 4}]}]
 
 
 def _example(run_dir: Path, *options: str) -> tuple[str, dict]:
