@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -117,12 +118,15 @@ def run_multinode(cfg: RecoveryConfig, sc: Scenario, where: Path) -> dict[str, A
             if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
                 raise JobFailed("the node agents did not start", tail(where))
             time.sleep(0.1)
-        agent(None)
+        if not sc.late_s:
+            agent(None)
         deadline = time.monotonic() + JOB_TIMEOUT_S
         if sc.stop:
             fault_t = wait_stopped(agents, agents[cfg.nodes - 1], deadline, where)
         else:
-            fault_t = wait(agents, deadline, where, coordinator if standby else None)
+            leader = coordinator if standby else None
+            late = (sc.late_s, lambda: agent(None)) if sc.late_s else None
+            fault_t = wait(agents, deadline, where, leader, late)
         (standby or coordinator).wait(timeout=30)
     finally:
         if sc.stop and agents[cfg.nodes - 1 :]:
@@ -160,15 +164,20 @@ def wait(
     deadline: float,
     where: Path,
     leader: subprocess.Popen[str] | None = None,
+    late: tuple[float, Callable[[], None]] | None = None,
 ) -> float:
     """Wait for the job's end; when the first agent died (wall clock). (j): ``leader``,
-    the leading coordinator, is killed at that moment too."""
+    the leading coordinator, is killed at that moment too. (k): ``late`` = (seconds,
+    start), the standby node is started that long after it."""
     fault_t = None
     while any(a.poll() is None for a in agents):
         if fault_t is None and any(a.poll() is not None for a in agents):
             fault_t = time.time()
             if leader is not None:
                 leader.kill()
+        if late is not None and fault_t is not None and time.time() >= fault_t + late[0]:
+            late[1]()
+            late = None
         if time.monotonic() > deadline:
             raise JobFailed(f"timed out after {JOB_TIMEOUT_S:g} s", tail(where))
         time.sleep(0.01)
@@ -261,6 +270,10 @@ def analyse_multinode(cfg: RecoveryConfig, sc: Scenario, out: Path, run: dict[st
     past = [e for e in mine if e["event"] == "step_done" and e["step"] >= cfg.fault_step]
     back = max(min(e["t"] for e in past if e["rank"] == rank) for rank in firsts)
     spawned = [e for e in tl if e["event"] in ("respawn", "spawn") and e.get("generation", 0) > 0]
+    # Ranks restored after the fault in another process than they trained in before it:
+    # the lost node's, and any survivor restarted.
+    pids = {e["rank"]: e["pid"] for e in read_events(out) if e["t"] <= fault}
+    moved = sum(1 for e in ends if pids.get(e["rank"]) != e["pid"])
     return {
         "short": sc.short,
         "label": sc.label,
@@ -273,6 +286,7 @@ def analyse_multinode(cfg: RecoveryConfig, sc: Scenario, out: Path, run: dict[st
         "launcher_options": list(sc.launcher),
         "node_timeout_s": NODE_TIMEOUT_S,
         "processes_restarted": len(spawned),
+        "survivors_restarted": moved - cfg.nproc_per_node,
         "warm_spares_used": sum(1 for e in spawned if e.get("spare")),
         "phases_s": phases,
         "total_s": round(bounds[-1] - fault, 3),

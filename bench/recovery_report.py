@@ -8,7 +8,7 @@ from typing import Any
 
 from common import new_table, show
 from recovery_scaling import growth
-from recovery_scenarios import PHASES, RecoveryConfig
+from recovery_scenarios import LATE_S, PHASES, RecoveryConfig
 
 TARGET_REDUCTION = 0.85  # at least 85 % less time than (a)
 SILENT_TARGET_S = 2.0  # (i): a stopped node -> every rank stepped again, no step lost
@@ -45,6 +45,10 @@ def report(
     if "i" in results:
         silent_pass, line = silent_verdict(results["i"])
         verdict.append(line)
+    late_pass = None
+    if "k" in results:
+        late_pass, line = late_verdict(results["k"])
+        verdict.append(line)
     if not any(r["in_process"] and r["total_s"] is not None for r in results.values()):
         verdict.append(
             "no in-process recovery completed: every measured recovery restarted all workers"
@@ -64,7 +68,12 @@ def report(
             "lost_steps_max": cfg.memory_every,
             "silent_total_s_max": SILENT_TARGET_S,
         },
-        "pass": {"time": time_pass, "lost_work": lost_pass, "silent": silent_pass},
+        "pass": {
+            "time": time_pass,
+            "lost_work": lost_pass,
+            "silent": silent_pass,
+            "late_replacement": late_pass,
+        },
         "scaling": scaling,
         "scaling_exponent": {"pg_reinit": k_init, "new_group": k_group},
         "wall_s": round(wall, 1),
@@ -78,6 +87,18 @@ def silent_verdict(r: dict[str, Any]) -> tuple[bool, str]:
         return False, f"{what}: FAIL (no recovery: {r['failed']})"
     ok = r["total_s"] <= SILENT_TARGET_S and r["lost_steps"] == 0
     return ok, f"{what}: {'PASS' if ok else 'FAIL'} ({r['total_s']:.2f} s, {r['lost_steps']} lost)"
+
+
+def late_verdict(r: dict[str, Any]) -> tuple[bool, str]:
+    """(k)'s target: the survivors wait for a late replacement, never restarted."""
+    what = f"target (k) a replacement after {LATE_S:g} s: no survivor restarted, 0 steps lost"
+    if r["total_s"] is None:
+        return False, f"{what}: FAIL (no recovery: {r['failed']})"
+    ok = r["survivors_restarted"] == 0 and r["lost_steps"] == 0
+    return ok, (
+        f"{what}: {'PASS' if ok else 'FAIL'} ({r['total_s']:.2f} s, {r['lost_steps']} lost, "
+        f"{r['survivors_restarted']} survivors restarted)"
+    )
 
 
 def time_verdicts(

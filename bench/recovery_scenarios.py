@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+LATE_S = 65.0  # (k): the replacement node's start, as measured on a busy cluster
+
 PHASES = [
     ("detect", "detect"),
     ("restart", "restart"),
@@ -52,6 +54,7 @@ class Scenario:
     live: bool = False  # the worker calls Checkpointer.step every step
     stop: bool = False  # multinode: the node is SIGSTOPped (silent), not killed
     etcd: bool = False  # multinode: the store in etcd; the leading coordinator dies too
+    late_s: float = 0.0  # multinode: the standby node agent starts this long after the loss
     launcher: tuple[str, ...] = ()  # options of `unbroken run` beyond the common ones
 
     @property
@@ -115,9 +118,10 @@ def scenarios(cfg: RecoveryConfig) -> list[Scenario]:
 
 
 def multinode(cfg: RecoveryConfig) -> list[Scenario]:
-    """(f), (g), (i): one ``unbroken run --in-process`` node agent per node and an
-    ``unbroken coordinator``, plus a standby node agent (warm spares) that takes the lost
-    slot; (i) stops its node instead of killing it."""
+    """(f), (g), (i), (j), (k): one ``unbroken run --in-process`` node agent per node and
+    an ``unbroken coordinator``, plus a standby node agent (warm spares) that takes the
+    lost slot; (i) stops its node instead of killing it, (j) runs on etcd and (k) starts
+    the standby only `LATE_S` after the loss."""
     out = []
     for key, node, what in (("f", cfg.nodes - 1, "another node"), ("g", 0, "the node of rank 0")):
         out.append(
@@ -166,6 +170,22 @@ def multinode(cfg: RecoveryConfig) -> list[Scenario]:
             live=True,
             launcher=("--in-process", "--warm-spare"),
             etcd=True,
+        )
+    )
+    out.append(
+        Scenario(
+            "k",
+            f"(k) multi-node in-process, live, replacement after {LATE_S:g} s",
+            f"(k) as (f), but no standby node: a replacement node agent starts {LATE_S:g} s "
+            "after the loss, as a new pod does on a busy cluster; the survivors hold their "
+            "state and wait for it",
+            f"kill-node node={node} step={cfg.fault_step}",
+            memory_every=cfg.memory_every,
+            replicas=1,
+            multinode=True,
+            live=True,
+            launcher=("--in-process", "--warm-spare"),
+            late_s=LATE_S,
         )
     )
     return out

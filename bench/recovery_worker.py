@@ -176,14 +176,15 @@ def restore(
         evict_s = time.perf_counter() - started
     dist.barrier()
     log("restore_start")
+    held = state["progress"].step  # a healthy rank's live step (0 in a new process)
     restored = ckpt.restore(state)
     how = ckpt.last_restore
     source = None if how is None else source_of(how)
     # Whether this rank kept its own live state (healed at the step it held: none lost).
     mine = None if how is None else how.origins[dist.get_rank()]
     own = mine is not None and mine.kind == "live" and mine.peer is None
-    log("restore_end", restored=restored, source=source, own=own, evict_s=evict_s,
-        resident=resident)  # fmt: skip
+    log("restore_end", restored=restored, source=source, own=own, held=held,
+        evict_s=evict_s, resident=resident)  # fmt: skip
     return restored
 
 
