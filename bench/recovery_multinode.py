@@ -233,12 +233,11 @@ def tail(where: Path) -> str:
     )  # fmt: skip
 
 
-def analyse_multinode(cfg: RecoveryConfig, sc: Scenario, out: Path, run: dict[str, Any]) -> dict:
-    """Phases and totals of the one recovery, from the agents' timelines and the workers'
-    events, as `recovery_jobs.analyse` gives them for the one-machine scenarios."""
-    fault = run["fault_t"]
-    tl = [e for e in run["events"] if e["t"] > fault]
-    mine = [e for e in read_events(out) if e["t"] > fault]
+def phase_bounds(
+    fault: float, tl: list[dict[str, Any]], mine: list[dict[str, Any]], stepped: float
+) -> list[float]:
+    """When each phase ended, the fault first: each the last rank's moment, from the
+    agents' timelines ``tl`` and the workers' events ``mine`` after the fault."""
 
     def last(name: str, source: list[dict[str, Any]]) -> float:
         times = [e["t"] for e in source if e["event"] == name]
@@ -246,6 +245,24 @@ def analyse_multinode(cfg: RecoveryConfig, sc: Scenario, out: Path, run: dict[st
             raise JobFailed(f"no {name!r} event after the fault")
         return float(max(times))
 
+    return [
+        fault,
+        min(e["t"] for e in tl if e["event"] in ("abort", "peer_failure")),
+        last("generation", tl),
+        last("init_start", tl),
+        last("init_done", tl),
+        last("restore_start", mine),
+        last("restore_end", mine),
+        stepped,
+    ]
+
+
+def analyse_multinode(cfg: RecoveryConfig, sc: Scenario, out: Path, run: dict[str, Any]) -> dict:
+    """Phases and totals of the one recovery, from the agents' timelines and the workers'
+    events, as `recovery_jobs.analyse` gives them for the one-machine scenarios."""
+    fault = run["fault_t"]
+    tl = [e for e in run["events"] if e["t"] > fault]
+    mine = [e for e in read_events(out) if e["t"] > fault]
     ends = [e for e in mine if e["event"] == "restore_end"]
     restored = {e["restored"] for e in ends}
     if len(ends) != cfg.ranks or len(restored) != 1:
@@ -255,16 +272,7 @@ def analyse_multinode(cfg: RecoveryConfig, sc: Scenario, out: Path, run: dict[st
     for e in sorted(mine, key=lambda e: e["t"]):
         if e["event"] == "step_done":
             firsts.setdefault(e["rank"], e["t"])
-    bounds = [
-        fault,
-        min(e["t"] for e in tl if e["event"] in ("abort", "peer_failure")),
-        last("generation", tl),
-        last("init_start", tl),
-        last("init_done", tl),
-        last("restore_start", mine),
-        last("restore_end", mine),
-        max(firsts.values()),
-    ]
+    bounds = phase_bounds(fault, tl, mine, max(firsts.values()))
     steps = zip(PHASES, pairwise(bounds), strict=True)
     phases = {key: round(b - a, 3) for (key, _), (a, b) in steps}
     past = [e for e in mine if e["event"] == "step_done" and e["step"] >= cfg.fault_step]

@@ -28,19 +28,8 @@ def report(
     print_table(cfg, results, scaling)
     time_pass: dict[str, bool] = {}
     verdict = time_verdicts(results, base, time_pass)
-    lost_pass = {
-        k: r["lost_steps"] is not None and r["lost_steps"] <= cfg.memory_every
-        for k, r in results.items()
-        if k != "a"
-    }
-    if lost_pass:
-        counts = {k: results[k]["lost_steps"] for k in lost_pass}
-        lost = ", ".join(f"({k}) {'no recovery' if n is None else n}" for k, n in counts.items())
-        verdict.append(
-            f"target lost work <= memory snapshot interval ({cfg.memory_every} step(s)): "
-            f"{'PASS' if all(lost_pass.values()) else 'FAIL'} ({lost}"
-            + (f"; (a) {results['a']['lost_steps']})" if "a" in results else ")")
-        )
+    lost_pass, lines = lost_verdict(cfg, results)
+    verdict += lines
     silent_pass = None
     if "i" in results:
         silent_pass, line = silent_verdict(results["i"])
@@ -87,6 +76,26 @@ def silent_verdict(r: dict[str, Any]) -> tuple[bool, str]:
         return False, f"{what}: FAIL (no recovery: {r['failed']})"
     ok = r["total_s"] <= SILENT_TARGET_S and r["lost_steps"] == 0
     return ok, f"{what}: {'PASS' if ok else 'FAIL'} ({r['total_s']:.2f} s, {r['lost_steps']} lost)"
+
+
+def lost_verdict(
+    cfg: RecoveryConfig, results: dict[str, dict[str, Any]]
+) -> tuple[dict[str, bool], list[str]]:
+    """The lost-work target: whether each scenario but (a) met it, and its line."""
+    lost_pass = {
+        k: r["lost_steps"] is not None and r["lost_steps"] <= cfg.memory_every
+        for k, r in results.items()
+        if k != "a"
+    }
+    if not lost_pass:
+        return lost_pass, []
+    counts = {k: results[k]["lost_steps"] for k in lost_pass}
+    lost = ", ".join(f"({k}) {'no recovery' if n is None else n}" for k, n in counts.items())
+    return lost_pass, [
+        f"target lost work <= memory snapshot interval ({cfg.memory_every} step(s)): "
+        f"{'PASS' if all(lost_pass.values()) else 'FAIL'} ({lost}"
+        + (f"; (a) {results['a']['lost_steps']})" if "a" in results else ")")
+    ]
 
 
 def late_verdict(r: dict[str, Any]) -> tuple[bool, str]:

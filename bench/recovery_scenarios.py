@@ -3,7 +3,7 @@ it injects, the memory tiers its job keeps and the launcher options it runs unde
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 LATE_S = 65.0  # (k): the replacement node's start, as measured on a busy cluster
 
@@ -122,70 +122,52 @@ def multinode(cfg: RecoveryConfig) -> list[Scenario]:
     an ``unbroken coordinator``, plus a standby node agent (warm spares) that takes the
     lost slot; (i) stops its node instead of killing it, (j) runs on etcd and (k) starts
     the standby only `LATE_S` after the loss."""
-    out = []
-    for key, node, what in (("f", cfg.nodes - 1, "another node"), ("g", 0, "the node of rank 0")):
-        out.append(
-            Scenario(
-                key,
-                f"({key}) multi-node in-process, live, lost: {what}",
-                f"({key}) unbroken across nodes: {what} lost (node {node}); one node agent "
-                "per node and a coordinator; a standby node agent with warm spares takes the "
-                "free slot; live healing (Checkpointer.step every step) plus replicas",
-                f"kill-node node={node} step={cfg.fault_step}",
-                memory_every=cfg.memory_every,
-                replicas=1,
-                multinode=True,
-                live=True,
-                launcher=("--in-process", "--warm-spare"),
-            )
-        )
-    node = cfg.nodes - 1
-    out.append(
+    f, g = (
         Scenario(
-            "i",
-            "(i) multi-node in-process, live, silent: a node stopped",
-            f"(i) as (f), but node {node} goes silent instead of dying: its agent, ranks and "
-            "spares are SIGSTOPped, no connection closes (a hung kernel, a cut network); the "
-            "coordinator pings the silent agent and loses the node when it does not answer",
-            f"SIGSTOP of node {node}'s process tree after step {cfg.fault_step}",
-            memory_every=cfg.memory_every,
-            replicas=1,
-            multinode=True,
-            live=True,
-            launcher=("--in-process", "--warm-spare"),
-            stop=True,
-        )
-    )
-    out.append(
-        Scenario(
-            "j",
-            "(j) multi-node on etcd, live: rank 0's node and the coordinator lost",
-            "(j) as (g), the store in a 3-member etcd cluster: node 0 and the leading "
-            "coordinator die together; the standby coordinator takes the lead (its etcd "
-            "lease expires in 3 s) and the lost node heals live",
-            f"kill-node node=0 step={cfg.fault_step}",  # and the leading coordinator, then
-            memory_every=cfg.memory_every,
-            replicas=1,
-            multinode=True,
-            live=True,
-            launcher=("--in-process", "--warm-spare"),
-            etcd=True,
-        )
-    )
-    out.append(
-        Scenario(
-            "k",
-            f"(k) multi-node in-process, live, replacement after {LATE_S:g} s",
-            f"(k) as (f), but no standby node: a replacement node agent starts {LATE_S:g} s "
-            "after the loss, as a new pod does on a busy cluster; the survivors hold their "
-            "state and wait for it",
+            key,
+            f"({key}) multi-node in-process, live, lost: {what}",
+            f"({key}) unbroken across nodes: {what} lost (node {node}); one node agent "
+            "per node and a coordinator; a standby node agent with warm spares takes the "
+            "free slot; live healing (Checkpointer.step every step) plus replicas",
             f"kill-node node={node} step={cfg.fault_step}",
             memory_every=cfg.memory_every,
             replicas=1,
             multinode=True,
             live=True,
             launcher=("--in-process", "--warm-spare"),
-            late_s=LATE_S,
+        )
+        for key, node, what in (
+            ("f", cfg.nodes - 1, "another node"),
+            ("g", 0, "the node of rank 0"),
         )
     )
-    return out
+    node = cfg.nodes - 1
+    i = replace(
+        f,
+        key="i",
+        short="(i) multi-node in-process, live, silent: a node stopped",
+        label=f"(i) as (f), but node {node} goes silent instead of dying: its agent, ranks "
+        "and spares are SIGSTOPped, no connection closes (a hung kernel, a cut network); "
+        "the coordinator pings the silent agent and loses the node when it does not answer",
+        fault=f"SIGSTOP of node {node}'s process tree after step {cfg.fault_step}",
+        stop=True,
+    )
+    j = replace(
+        g,  # and the leading coordinator, then
+        key="j",
+        short="(j) multi-node on etcd, live: rank 0's node and the coordinator lost",
+        label="(j) as (g), the store in a 3-member etcd cluster: node 0 and the leading "
+        "coordinator die together; the standby coordinator takes the lead (its etcd "
+        "lease expires in 3 s) and the lost node heals live",
+        etcd=True,
+    )
+    k = replace(
+        f,
+        key="k",
+        short=f"(k) multi-node in-process, live, replacement after {LATE_S:g} s",
+        label=f"(k) as (f), but no standby node: a replacement node agent starts {LATE_S:g} "
+        "s after the loss, as a new pod does on a busy cluster; the survivors hold their "
+        "state and wait for it",
+        late_s=LATE_S,
+    )
+    return [f, g, i, j, k]

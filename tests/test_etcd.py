@@ -153,6 +153,38 @@ def test_the_etcd_store_goes_on_when_a_member_dies(etcd):
         etcd.start(0)
 
 
+def test_a_coordinator_that_lost_its_lead_writes_nothing(etcd):
+    """A leading coordinator stopped past its lease (here: the lease revoked under it, as
+    its expiry would) wakes and writes: etcd refuses every kind of write in the write's
+    own transaction, so nothing it decides lands, and the new leader's writes do."""
+    from unbroken.run.etcd import EtcdStore, Lead, LeadLost
+
+    url = etcd.url(f"fence-{os.getpid()}")
+    old, new = EtcdStore(url, timeout=10), EtcdStore(url, timeout=10)
+    first = Lead(old)
+    first.take(print)
+    old.fence(Lead.KEY, first.lease)
+    old.set("decided", "by the first")
+    assert old.add("count", 2) == 2 and old.delete_key("count")
+    first.release()  # its lease gone, as when it expires while the process is stopped
+    second = Lead(new)
+    second.take(print)
+    new.fence(Lead.KEY, second.lease)
+    writes = {
+        "set": lambda: old.set("decided", "by the old"),
+        "add": lambda: old.add("count", 1),
+        "compare_set": lambda: old.compare_set("decided", "by the first", "by the old"),
+        "delete_key": lambda: old.delete_key("decided"),
+    }
+    for name, write in writes.items():
+        with pytest.raises(LeadLost, match="no longer leads"):
+            write()
+        assert new.get_raw(["decided", "count"]) == [b"by the first", None], name
+    new.set("decided", "by the second")
+    assert new.get_raw(["decided"]) == [b"by the second"]
+    second.release()
+
+
 def test_a_wrong_etcd_url_is_named():
     from unbroken.run.etcd import EtcdStore, parse
 

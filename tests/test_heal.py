@@ -320,66 +320,6 @@ def test_records_travel_whole_whatever_their_size():
     assert run_ranks(_exchange_job, timeout=50) == [[0, 10, 65528, 65529, 300000]] * 2
 
 
-def test_a_model_wrapped_part_by_part_counts_as_data_parallel_once_every_part_ran():
-    from ranks import run_ranks
-
-    assert run_ranks(_parts_job, world=1, timeout=60) == [[False, False, True, True]]
-
-
-def test_the_layout_ddp_is_about_to_rebuild_is_known_after_its_first_backward():
-    from ranks import run_ranks
-
-    found, _ = run_ranks(_pending_job, world=2, timeout=60)
-    for name, (pending, rebuilt, initial) in found.items():
-        assert pending == rebuilt, name
-        assert rebuilt != initial, name  # the case the test is for
-
-
-def _pending_job(rank: int, world: int) -> dict[str, tuple]:
-    """After one iteration the tracker knows the layout DDP rebuilds as the second
-    starts: with the default caps (a 1 MiB first bucket before a layer larger than
-    it), and with small caps that split the parameters into many buckets."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from unbroken.healing.ddp_buckets import Tracker, layout_now
-
-    found = {}
-    for name, cap in (("default", None), ("small buckets", 0.004)):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 600), nn.Tanh(), nn.Linear(600, 600), nn.Tanh(),
-                              nn.Linear(600, 8), nn.Linear(8, 8))  # fmt: skip
-        tracker = Tracker()
-        ddp = DistributedDataParallel(model, bucket_cap_mb=cap)
-        initial = layout_now(ddp)
-        ddp(torch.ones(2, 16)).sum().backward()
-        pending = tracker.layouts({"model": model}).get("model")
-        ddp(torch.ones(2, 16)).sum().backward()  # DDP rebuilds as this forward starts
-        found[name] = (pending, layout_now(ddp), initial)
-        tracker.stop()
-    return found if rank == 0 else {}
-
-
-def _parts_job(rank: int, world: int) -> list[bool]:
-    """A model whose two parts are each their own DDP, and a step that uses only one of
-    them: the tracker counts the model as data-parallel (healable) only once both ran."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from unbroken.healing.ddp_buckets import Tracker
-
-    tracker = Tracker()
-    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
-    state = {"model": model}
-    parts = {k: DistributedDataParallel(m) for k, m in model.items()}
-    seen = [tracker.covered(state)]
-    parts["a"](torch.ones(1, 4)).sum().backward()
-    tracker.settle(state)
-    seen.append(tracker.covered(state))
-    parts["b"](torch.ones(1, 4)).sum().backward()
-    tracker.settle(state)  # every part seen: stops watching
-    seen += [tracker.covered(state), tracker._handle is None]
-    return seen
-
-
 @pytest.mark.timeout(90)
 def test_a_rank_past_its_record_is_healed_back_to_the_live_step_never_mixed():
     """The optimizer-step window: a fault after a rank's ``optimizer.step`` but before its

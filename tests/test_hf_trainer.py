@@ -183,7 +183,7 @@ def test_a_save_without_a_trainer_state_is_passed_over_when_joining_a_history(tm
     ckpt.save(2, {"w": torch.ones(2), "trainer": "not JSON"})
     ckpt.save(3, {"w": torch.ones(2), "trainer": json.dumps({"log_history": "no"})})
     ckpt.save(4, {"trainer": json.dumps({"log_history": [{"step": 4}]})})
-    found = [saved_state(ckpt.manifest(step)) for step in (1, 2, 3, 4)]
+    found = [saved_state(ckpt.manifest(step).objects_for(0)) for step in (1, 2, 3, 4)]
     ckpt.close()
     assert found == [None, None, None, {"log_history": [{"step": 4}]}]
 

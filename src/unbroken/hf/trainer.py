@@ -38,7 +38,6 @@ from unbroken.hf.accelerate import LaterRNG, unwrapped
 
 if TYPE_CHECKING:
     from unbroken import Checkpointer
-    from unbroken.format.layout import Manifest
 
 _STATE_FILE = "trainer_state.json"  # the one file the Trainer reads from its resume folder
 _SINCE = "unbroken_log_since"  # in a step record's TrainerState: its history starts after
@@ -117,7 +116,7 @@ class Checkpointing:
         since, tail = fields.pop(_SINCE), fields["log_history"]
         for saved in reversed(self.checkpointer.steps() if since is not None else ()):
             if since <= saved <= step:
-                held = saved_state(self.checkpointer.manifest(saved))
+                held = saved_state(self.checkpointer.manifest(saved).objects_for(0))
                 if held is not None and _SINCE not in held:
                     self._saves = [(saved, len(held["log_history"]))] * 2
                     return [*held["log_history"], *(h for h in tail if h.get("step", 0) > saved)]
@@ -226,10 +225,11 @@ class Checkpointing:
             self._rng.apply()
 
 
-def saved_state(manifest: Manifest) -> dict[str, Any] | None:
-    """The TrainerState a committed save holds, or None where it holds none (a save made
-    in the same folder by other code): such a save is passed over, never an error."""
-    text = manifest.objects_for(0).get("trainer")
+def saved_state(objects: dict[str, Any]) -> dict[str, Any] | None:
+    """The TrainerState among a committed save's ``objects`` (its manifest's, rank 0's),
+    or None where it holds none (a save made in the same folder by other code): such a
+    save is passed over, never an error."""
+    text = objects.get("trainer")
     try:
         held = json.loads(text) if isinstance(text, str) else None
     except ValueError:

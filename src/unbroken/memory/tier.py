@@ -142,17 +142,19 @@ class Slots:
         """The manifest JSON and the bytes of the slot holding ``step``, to send. What
         this process published first; a slot's file is read once, as a `begin` on
         another thread may unlink it at any moment."""
-        found = {slot: p for slot, p in self._published.items() if p[0] == step}
-        for slot in range(self.count) if not found else ():
+        for slot, (held, text) in list(self._published.items()):  # `begin` may pop one
+            if held == step:
+                return text, self._bytes(slot)
+        for slot in range(self.count):
             read = self._read(slot)
             if read is not None and read[0].step == step:
-                found[slot] = (step, read[1])
-        for slot, published in found.items():
-            buffer = self._buffers.get(slot)
-            return published[1], buffer if buffer is not None else self._map(slot)
+                return read[1], self._bytes(slot)
         raise CheckpointError(f"{self.dir} holds no snapshot of step {step}")
 
-    def _map(self, slot: int) -> torch.Tensor:
+    def _bytes(self, slot: int) -> torch.Tensor:
+        buffer = self._buffers.get(slot)
+        if buffer is not None:
+            return buffer
         path = self._path(slot, "bin")
         return _mapped(path, max(os.lstat(path).st_size, 1))
 
@@ -178,8 +180,7 @@ class Slots:
         if held is None:
             raise CheckpointError(f"{self.dir} holds no snapshot of step {step}")
         slot, manifest = held
-        buffer = self._buffers.get(slot)
-        buffer = buffer if buffer is not None else self._map(slot)
+        buffer = self._bytes(slot)
         for key, entry in manifest.tensors.items():
             for chunk in entry.chunks:  # every one: an unchecked byte never reaches the state
                 view = byte_view(buffer[chunk.start : chunk.end])

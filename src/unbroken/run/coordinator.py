@@ -323,16 +323,16 @@ def serve(
     """Decide for the job whose store is ``where``, until it is done (``exit_when_done``)
     or a signal. With etcd, only while this coordinator leads: another takes over where
     the store says the job stands (`Coordinator.resume`)."""
+    from unbroken.run.etcd import Lead, LeadLost
+
     store, local, port = _host(where)
     lead = None
     if where.etcd is not None:
-        from unbroken.run.etcd import Lead
-
         lead = Lead(store)
         lead.take(log)
+        store.fence(Lead.KEY, lead.lease)  # a write after the lead is lost is refused
         print(f"unbroken coordinator: leading the job at {where.etcd}", flush=True)
     coordinator = Coordinator(store, node_timeout, suspect_timeout, silence)
-    coordinator.resume()
     coordinator.news = Listener(local, port)
     gc.freeze()  # no full collection of torch's heap in the loop (see unbroken.run.cli)
     stop = threading.Event()
@@ -345,10 +345,10 @@ def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, stopping)
     try:
+        coordinator.resume()
         while not stop.is_set() and (coordinator.poll() or not exit_when_done):
             if lead is not None and not lead.keep():
-                log("lost the lead (its lease expired): another coordinator decides now")
-                return 1
+                raise LeadLost("its lease expired")
             time.sleep(POLL_S)
         deadline = time.monotonic() + STANDBY_WAIT_S
         # Standbys see the job's end and leave before the store does (unbroken.run.agent).
@@ -356,6 +356,9 @@ def serve(
             if time.monotonic() > deadline:
                 break
             time.sleep(POLL_S)
+    except LeadLost:
+        log("lost the lead (its etcd lease expired): another coordinator decides now")
+        return 1
     finally:
         coordinator.news.stop(store)
         if lead is not None:

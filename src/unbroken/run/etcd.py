@@ -68,6 +68,10 @@ def parse(url: str) -> tuple[str, list[tuple[str, int]], str]:
     return ("https" if parts.scheme == "etcds" else "http"), members, namespace
 
 
+class LeadLost(RuntimeError):
+    """A write of a coordinator that no longer leads, refused by etcd (`EtcdStore.fence`)."""
+
+
 class EtcdStore(dist.Store):
     """A `torch.distributed.Store` on an etcd cluster, every key under ``/<namespace>/``."""
 
@@ -80,6 +84,7 @@ class EtcdStore(dist.Store):
         self.deadline_s = timeout
         self._at = 0  # the member tried first
         self._local = threading.local()  # a client per thread: requests' sessions are not shared
+        self._fence: tuple[str, str] | None = None  # (key, lease) every write depends on
         self.get_raw(["\0"])  # reach the cluster now: a wrong URL fails here, by name
         # C++ holders (a PrefixStore, gloo) call back into this object, and pybind11 finds
         # its methods only while the Python object lives: keep it (a few per generation).
@@ -87,7 +92,10 @@ class EtcdStore(dist.Store):
 
     # -- torch's Store ------------------------------------------------------------------
     def set(self, key: str, value: Any) -> None:
-        self.request(lambda c: c.put(self._k(key), _bytes(value)))
+        from etcd3gw.utils import _encode
+
+        put = {"key": _encode(self._k(key)), "value": _encode(_bytes(value))}
+        self._write([], [{"request_put": put}])
 
     def get(self, key: str) -> bytes:
         value = self.get_raw([key])[0]
@@ -128,7 +136,11 @@ class EtcdStore(dist.Store):
             self.set(key, value)
 
     def delete_key(self, key: str) -> bool:
-        return bool(self.request(lambda c: c.delete(self._k(key))))
+        from etcd3gw.utils import _encode
+
+        reply = self._write([], [{"request_delete_range": {"key": _encode(self._k(key))}}])
+        deleted = (reply or {}).get("responses", [{}])[0].get("response_delete_range", {})
+        return int(deleted.get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
         from etcd3gw.utils import _encode, _increment_last_byte
@@ -167,6 +179,37 @@ class EtcdStore(dist.Store):
         txn = {"compare": [compare], "success": [put], "failure": []}
         return bool(self.request(lambda c: c.transaction(txn)).get("succeeded", False))
 
+    def fence(self, key: str, lease: str) -> None:
+        """From now on every write of this store commits only while ``key`` is held on
+        ``lease``, checked by etcd in the write's own transaction: a coordinator that
+        lost the lead (stopped past its lease, or cut off) writes nothing more, whatever
+        it was doing when it woke. Such a write raises `LeadLost`."""
+        self._fence = (self._k(key), lease)
+
+    def _write(self, compare: list[dict[str, Any]], ops: list[dict[str, Any]]) -> Any:
+        """One transaction: ``ops`` if ``compare`` holds (the reply; None if it does not),
+        and, once fenced, only while this store's lead holds (else `LeadLost`)."""
+        from etcd3gw.utils import _encode
+
+        fence: list[dict[str, Any]] = []
+        read: list[dict[str, Any]] = []
+        if self._fence is not None:
+            key, lease = _encode(self._fence[0]), self._fence[1]
+            fence = [{"key": key, "result": "EQUAL", "target": "LEASE", "lease": lease}]
+            read = [{"request_range": {"key": key}}]
+        txn = {"compare": [*compare, *fence], "success": ops, "failure": read}
+        reply = self.request(lambda c: c.transaction(txn))
+        if reply.get("succeeded", False):
+            return reply
+        if self._fence is not None:
+            kvs = reply.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
+            if not kvs or str(kvs[0].get("lease")) != str(self._fence[1]):
+                raise LeadLost(
+                    f"{self.url}: this coordinator no longer leads the job (its etcd lease "
+                    "expired or was revoked): another coordinator decides now"
+                )
+        return None
+
     def get_raw(self, keys: list[str]) -> list[bytes | None]:
         return [value for value, _ in self._range(keys)[0]]
 
@@ -196,8 +239,7 @@ class EtcdStore(dist.Store):
         k = _encode(self._k(key))
         compare = {"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": revision}
         put = {"request_put": {"key": k, "value": _encode(value)}}
-        txn = {"compare": [compare], "success": [put], "failure": []}
-        return bool(self.request(lambda c: c.transaction(txn)).get("succeeded", False))
+        return self._write([compare], [put]) is not None
 
     def _update(self, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
         while True:  # optimistic: retried only when another writer came in between
@@ -273,8 +315,9 @@ class Lead:
     """This process's hold on the job's ``coordinator`` key, on an etcd lease: at most one
     coordinator of a job decides at a time, and a standby coordinator takes over within
     ``ttl`` seconds of the leader's loss. The leader renews the lease as it polls
-    (`keep`); one that was stopped longer than ``ttl`` finds it expired and steps down
-    before it decides anything."""
+    (`keep`); one that was stopped longer than ``ttl`` finds it expired and steps down.
+    Its store is fenced on the lease (`EtcdStore.fence`): a write it makes meanwhile, in
+    the middle of a decision, is refused by etcd (`LeadLost`)."""
 
     KEY = "unbroken/coordinator"
 
