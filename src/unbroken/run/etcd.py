@@ -176,8 +176,7 @@ class EtcdStore(dist.Store):
         k = _encode(self._k(key))
         compare = {"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": 0}
         put = {"request_put": {"key": k, "value": _encode(value), "lease": lease}}
-        txn = {"compare": [compare], "success": [put], "failure": []}
-        return bool(self.request(lambda c: c.transaction(txn)).get("succeeded", False))
+        return self._write([compare], [put]) is not None
 
     def fence(self, key: str, lease: str) -> None:
         """From now on every write of this store commits only while ``key`` is held on
