@@ -155,7 +155,7 @@ def waited(what: str, fn: Callable[[], T]) -> T:
         except BaseException as e:
             done.set_exception(e)
 
-    threading.Thread(target=run, name="unbroken-joining-group", daemon=True).start()
+    threading.Thread(target=run, name="unbroken-waiting", daemon=True).start()
     while True:
         try:
             return done.result(timeout=POLL_S)

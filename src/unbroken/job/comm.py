@@ -16,15 +16,8 @@ ever make, and can shut it down to wake a collective stuck on a failed peer.
 Once a collective or transfer fails because a peer is gone, the group is not used again
 (`Comm.wire`): a rank that issues its next collective while a peer is still inside an
 earlier one can pair two different operations, and gloo ends the process (std::terminate
-on "Received data size doesn't match expected size") instead of raising.
-
-No gloo thread ever runs Python for the checkpointer's operations (`lent`). One that
-drops a tensor's second reference must take the GIL, and creates a Python thread state
-to do so: a fork at that instant (a DataLoader starting its workers, right after a
-restore or beside a background save) copies CPython's lock on the thread list held, and
-the child hangs before it runs a line (CPython before 3.11.10: gh-112275). Right after a
-collective returned, gloo still held one of its tensors about a third of the time
-(measured, 2 ranks on 2 cores); the demo's resumed run hung about once in 20.
+on "Received data size doesn't match expected size") instead of raising. Point-to-point
+transfers, and the rule that no gloo thread runs Python: `unbroken.job.transfers`.
 """
 
 from __future__ import annotations
@@ -33,7 +26,6 @@ import contextlib
 import json
 import os
 import re
-import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar, cast
@@ -44,13 +36,13 @@ import torch.distributed as dist
 from unbroken.errors import CheckpointError, PeerLostError
 from unbroken.job import abort
 from unbroken.job.gc_paused import building
+from unbroken.job.transfers import Transfers, lent
 
 T = TypeVar("T")
 
 # How gloo and torch's store say that the other end of a connection is gone.
 _GONE = ("connection closed", "connection reset", "broken pipe", "read error", "write error")
 _SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:537] "
-_LET_GO_S = 1.0  # gloo lets go microseconds after an operation ends; past this, give up
 CLOSE_WAIT_S = 10.0  # ranks closing together arrive within this; past it a peer is not
 
 
@@ -254,49 +246,6 @@ class Comm:
         if failure is not None:
             raise CheckpointError(failure)
         return part
-
-
-class Transfers:
-    """Point-to-point transfers under way; `wait` returns once all are done and gloo has
-    let go of their tensors."""
-
-    def __init__(self, ops: Sequence[dist.P2POp]) -> None:
-        self._kept = _Kept([op.tensor for op in ops])
-        self._works = list(dist.batch_isend_irecv(list(ops))) if ops else []
-
-    def wait(self) -> None:
-        while self._works:  # each dropped once done: a gloo Work holds its tensors
-            self._works.pop(0).wait()
-        self._kept.release()
-
-
-@contextlib.contextmanager
-def lent(*tensors: torch.Tensor) -> Iterator[None]:
-    """Around a gloo operation on ``tensors``: gloo's threads never take the GIL for
-    them, and none holds them once the block is left (the module's docstring says why)."""
-    kept = _Kept(tensors)
-    yield
-    kept.release()
-
-
-class _Kept:
-    """An extra reference to each tensor (a view holds its base), from before gloo takes
-    its own until after gloo dropped them. torch takes the GIL where a tensor's count of
-    C++ references moves between one and two (its Python object is kept alive by the
-    second): with this one, gloo's never do, so gloo's threads never touch Python."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self._views = [t.view(t.shape) for t in tensors]
-        self._tensors = tensors
-        self._counts = [t._use_count() for t in tensors]  # type: ignore[attr-defined]
-
-    def release(self) -> None:
-        deadline = time.monotonic() + _LET_GO_S
-        while any(t._use_count() > n for t, n in zip(self._tensors, self._counts, strict=True)):  # type: ignore[attr-defined]
-            if time.monotonic() > deadline:
-                break  # something else took a reference meanwhile: nothing to wait for
-            time.sleep(0.0001)
-        self._views.clear()  # on this thread, which holds the GIL
 
 
 def gloo_group(create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from unbroken.errors import CheckpointError
 from unbroken.format.layout import Chunk, Manifest
-from unbroken.job.comm import Comm, Transfers
+from unbroken.job.comm import Comm
+from unbroken.job.transfers import Transfers
 from unbroken.memory.tier import MemoryTier
 from unbroken.run import faults
 
