@@ -175,41 +175,59 @@ def test_abort_frees_a_collective_stuck_on_a_stopped_peer_over_a_lazy_connection
 UNSEEN_TIMEOUT_S = 30  # the group's timeout in the untracked-receive test
 
 
-def _receiving_on_an_unseen_connection(rank: int, world: int) -> dict[str, object]:
-    """Rank 1 receives from rank 0, which never sends, on a group the abort does not
-    know (as a connection still being made when the generation was aborted): only the
-    bounded wait can end it before the group's timeout."""
+def _waiting_on_an_unseen_connection(rank: int, world: int) -> dict[str, object]:
+    """Rank 1 waits on rank 0, which never takes part, on a group the abort does not
+    know (as a connection still being made when the generation was aborted): first a
+    receive, then a broadcast. Only the bounded waits can end them before the group's
+    timeout."""
     import torch
     import torch.distributed as dist
 
-    from unbroken.job.transfers import Transfers
+    from unbroken.job.transfers import Transfers, done
 
     abort.begin()
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=UNSEEN_TIMEOUT_S))
-    dist.barrier(group=group)  # the pair is connected, and not tracked
+    groups = [dist.new_group(backend="gloo", timeout=timedelta(seconds=UNSEEN_TIMEOUT_S))]
+    groups.append(dist.new_group(backend="gloo", timeout=timedelta(seconds=UNSEEN_TIMEOUT_S)))
+    for group in groups:
+        dist.barrier(group=group)  # the pairs are connected, and not tracked
     if rank == 0:
-        time.sleep(4)  # alive, connected, never sending
+        time.sleep(7)  # alive, connected, never taking part
         return {}
     into = torch.empty(4)
-    transfers = Transfers([dist.P2POp(dist.irecv, into, group=group, group_peer=0)])
-    threading.Timer(0.5, abort.shutdown).start()
-    started = time.monotonic()
-    try:
-        transfers.wait("sending the record of step 9")
-    except Exception as e:
-        return {"after_s": time.monotonic() - started, "error": f"{type(e).__name__}: {e}"}
-    return {"after_s": None}
+    waits = {
+        "receive": lambda: Transfers(
+            [dist.P2POp(dist.irecv, into, group=groups[0], group_peer=0)]
+        ).wait("sending the record of step 9"),
+        "broadcast": lambda: done(
+            dist.broadcast(into, group=groups[1], group_src=0, async_op=True), "saving step 9"
+        ),
+    }
+    result: dict[str, object] = {}
+    for name, wait in waits.items():
+        abort.begin()
+        threading.Timer(0.5, abort.shutdown).start()
+        started = time.monotonic()
+        try:
+            wait()
+        except Exception as e:
+            result[name] = (time.monotonic() - started, f"{type(e).__name__}: {e}")
+    return result
 
 
 @pytest.mark.timeout(90)
-def test_a_transfer_on_a_connection_the_abort_cannot_see_stops_at_the_abort():
+def test_waits_on_a_connection_the_abort_cannot_see_stop_at_the_abort():
     """A record exchange whose receive the abort could not wake (its connection was
     being made as the generation was aborted) once waited out the group's timeout, a
     minute, while the rest of the job timed out waiting for this rank to join the next
-    generation. It stops at the abort, naming what it was doing."""
-    _, received = run_ranks(_receiving_on_an_unseen_connection, timeout=60)
-    assert str(received["error"]).startswith("PeerLostError: sending the record of step 9")
-    assert received["after_s"] is not None and 0.4 < float(received["after_s"]) < 3, received
+    generation. Receives and the checkpointer's collectives stop at the abort, naming
+    what they were doing."""
+    _, waited = run_ranks(_waiting_on_an_unseen_connection, timeout=60)
+    after_s, error = waited["receive"]
+    assert error.startswith("PeerLostError: sending the record of step 9"), error
+    assert 0.4 < after_s < 3, waited
+    after_s, error = waited["broadcast"]
+    assert error.startswith("PeerLostError: saving step 9"), error
+    assert 0.4 < after_s < 3, waited
 
 
 def test_checkpointer_waits_give_up_once_aborted():

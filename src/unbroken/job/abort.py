@@ -10,8 +10,10 @@ connections: every operation in flight on them fails at once with "connection cl
 here and on the peer at the other end, which then fails too instead of waiting.
 
 Not quite every one: gloo can miss waking a send whose connection broke mid-transfer,
-which then waits for the group's timeout. So the Checkpointer never blocks its caller on
-its own gloo work without a bound: its waits poll `check`, and an aborted Checkpointer is
+and a connection still being made as the generation is aborted is not there to shut
+down; either then waits for the group's timeout. So the Checkpointer never blocks its
+caller on its own gloo work without a bound: its waits poll `check` (its collectives and
+transfers too: `unbroken.job.transfers`), and an aborted Checkpointer is
 abandoned (`Checkpointer._abandon`, through `register` and `abandon_all`), not joined:
 a recovery never waits for a save of the failed generation. A save still running then
 can only fail (its group is aborted), but it may still be writing the files of its step,

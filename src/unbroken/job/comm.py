@@ -36,7 +36,7 @@ import torch.distributed as dist
 from unbroken.errors import CheckpointError, PeerLostError
 from unbroken.job import abort
 from unbroken.job.gc_paused import building
-from unbroken.job.transfers import Transfers, lent
+from unbroken.job.transfers import Transfers, done, lent
 
 T = TypeVar("T")
 
@@ -101,12 +101,12 @@ class Comm:
         data = json.dumps(obj).encode() if self.rank == 0 else b""
         size = torch.tensor([len(data)])
         with self.wire(), lent(size):
-            dist.broadcast(size, group=self.group, group_src=0)
+            done(dist.broadcast(size, group=self.group, group_src=0, async_op=True))
         buf = torch.empty(int(size), dtype=torch.uint8)
         if self.rank == 0:
             buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         with self.wire(), lent(buf):
-            dist.broadcast(buf, group=self.group, group_src=0)
+            done(dist.broadcast(buf, group=self.group, group_src=0, async_op=True))
         return json.loads(buf.numpy().tobytes())
 
     def broadcast_bytes(self, data: memoryview, src: int) -> None:
@@ -114,13 +114,13 @@ class Comm:
         if self.group is not None:
             tensor = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
             with self.wire(), lent(tensor):
-                dist.broadcast(tensor, group=self.group, group_src=src)
+                done(dist.broadcast(tensor, group=self.group, group_src=src, async_op=True))
 
     def all_reduce_max(self, values: torch.Tensor) -> None:
         """Every rank's ``values`` become the elementwise maximum over the ranks."""
         if self.group is not None:
             with self.wire(), lent(values):
-                dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+                done(dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
 
     def p2p(self, kind: object, tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.P2POp:
         """A send (``dist.isend``) or receive (``dist.irecv``) of ``tensor`` with ``peer``,
@@ -215,10 +215,10 @@ class Comm:
                 t[: len(d)] = torch.frombuffer(bytearray(d), dtype=torch.uint8)
                 out.append(t)
         with self.wire(), lent(size):
-            dist.broadcast(size, group=self.group, group_src=0)
+            done(dist.broadcast(size, group=self.group, group_src=0, async_op=True))
         mine = torch.empty(int(size), dtype=torch.uint8)
         with self.wire(), lent(mine, *out):
-            dist.scatter(mine, out or None, group=self.group, group_src=0)
+            done(dist.scatter(mine, out or None, group=self.group, group_src=0, async_op=True))
         return json.loads(mine.numpy().tobytes())
 
     def planned(self, what: str, fn: Callable[[], T], plan: Callable[[list[T]], list[Any]]) -> Any:
@@ -273,7 +273,7 @@ def _all_gather(group: dist.ProcessGroup, obj: Any) -> list[Any]:
     if rows:
         blob[:] = torch.cat([row[:n] for row, n in zip(rows, lengths, strict=True)])
     with lent(blob):
-        dist.broadcast(blob, group=group, group_src=0)
+        done(dist.broadcast(blob, group=group, group_src=0, async_op=True))
     with building():  # a save's rows: every rank's blocks
         return [json.loads(part.numpy().tobytes()) for part in blob.split(lengths)]
 
@@ -287,16 +287,16 @@ def _gather(group: dist.ProcessGroup, data: bytes) -> tuple[list[int], list[torc
     counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world if first else 0)]
     size = torch.tensor([len(data)])
     with lent(size, *counts):
-        dist.gather(size, counts or None, group=group, group_dst=0)
+        done(dist.gather(size, counts or None, group=group, group_dst=0, async_op=True))
     sizes = torch.cat(counts) if first else torch.zeros(world, dtype=torch.int64)
     with lent(sizes):
-        dist.broadcast(sizes, group=group, group_src=0)
+        done(dist.broadcast(sizes, group=group, group_src=0, async_op=True))
     lengths = [int(n) for n in sizes]
     mine = torch.zeros(max(lengths), dtype=torch.uint8)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     rows = [torch.empty_like(mine) for _ in range(world if first else 0)]
     with lent(mine, *rows):
-        dist.gather(mine, rows or None, group=group, group_dst=0)
+        done(dist.gather(mine, rows or None, group=group, group_dst=0, async_op=True))
     return lengths, rows
 
 

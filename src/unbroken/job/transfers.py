@@ -8,7 +8,8 @@ the child hangs before it runs a line (CPython before 3.11.10: gh-112275). Right
 collective returned, gloo still held one of its tensors about a third of the time
 (measured, 2 ranks on 2 cores); the demo's resumed run hung about once in 20.
 
-Under in-process recovery a transfer is waited for in bounded waits (`abort.waited`):
+Under in-process recovery a transfer, or a collective (`done`), is waited for in bounded
+waits (`abort.waited`):
 gloo's ``Work.wait`` cannot be given a timeout for a send or receive (a timed-out
 receive breaks its pair), and a receive on a connection the abort could not see (one
 still being made as the generation was aborted) is otherwise woken only by the group's
@@ -27,6 +28,16 @@ import torch.distributed as dist
 from unbroken.job import abort
 
 _LET_GO_S = 1.0  # gloo lets go microseconds after an operation ends; past this, give up
+
+
+def done(work: dist.Work | None, what: str = "a collective of the checkpointer's group") -> None:
+    """Wait for a collective started with ``async_op=True``: bounded under in-process
+    recovery as `Transfers.wait` is (gloo's collectives connect lazily too)."""
+    assert work is not None
+    if abort.poll_s() is None:
+        work.wait()
+    else:
+        abort.waited(what, work.wait)
 
 
 class Transfers:
