@@ -240,7 +240,7 @@ class SimAgent(NodeAgent):
         while not self.sim.stop.is_set() and not self.killed.is_set():
             if not self.poll():
                 break
-            time.sleep(self.poll_s or cli.POLL_S)
+            self.pause(cli.POLL_S)
         self._stop_beating()
 
 

@@ -123,7 +123,8 @@ def loop(job: Job) -> int:
             if time.monotonic() > deadline:
                 for pid in job.live_pids():
                     kill_tree(pid)
-        time.sleep(getattr(job, "poll_s", None) or POLL_S)  # node agents: faster in a recovery
+        pause = getattr(job, "pause", time.sleep)  # node agents: woken by the store's news
+        pause(POLL_S)
     job.watch.read_events()
     code = job.exit_code()
     job.timeline.add("done", f"done, exit code {code}", exit_code=code)
