@@ -9,11 +9,11 @@ collective returned, gloo still held one of its tensors about a third of the tim
 (measured, 2 ranks on 2 cores); the demo's resumed run hung about once in 20.
 
 Under in-process recovery a transfer, or a collective (`done`), is waited for in bounded
-waits (`abort.waited`):
-gloo's ``Work.wait`` cannot be given a timeout for a send or receive (a timed-out
-receive breaks its pair), and a receive on a connection the abort could not see (one
-still being made as the generation was aborted) is otherwise woken only by the group's
-timeout, a minute, while the rest of the job waits for this rank in the next generation.
+waits (`abort.waited`): gloo's ``Work.wait`` cannot be given a timeout for a send or
+receive (a timed-out receive breaks its pair), and a receive on a connection the abort
+could not see (one still being made as the generation was aborted) is otherwise woken
+only by the group's timeout, a minute, while the rest of the job waits for this rank in
+the next generation.
 """
 
 from __future__ import annotations
@@ -34,10 +34,7 @@ def done(work: dist.Work | None, what: str = "a collective of the checkpointer's
     """Wait for a collective started with ``async_op=True``: bounded under in-process
     recovery as `Transfers.wait` is (gloo's collectives connect lazily too)."""
     assert work is not None
-    if abort.poll_s() is None:
-        work.wait()
-    else:
-        abort.waited(what, work.wait)
+    abort.waited(what, work.wait)
 
 
 class Transfers:
@@ -52,10 +49,9 @@ class Transfers:
         """Wait for every transfer; under in-process recovery, `PeerLostError` naming
         ``what`` as soon as the generation is aborted (the thread left waiting lets go
         of the tensors once gloo ends the transfer)."""
-        if self._works and abort.poll_s() is not None:
-            abort.waited(what, self._finish)
-        else:
-            self._finish()
+        if not self._works:  # nothing in flight: no thread, and no abort to raise
+            return self._kept.release()
+        abort.waited(what, self._finish)
 
     def _finish(self) -> None:
         while self._works:  # each dropped once done: a gloo Work holds its tensors

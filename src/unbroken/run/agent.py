@@ -201,7 +201,8 @@ class NodeAgent(Supervisor):
         """Between two polls of the drive loop: ``usual``, or `FAST_POLL_S` in a recovery;
         an announcement in the store ends it at once."""
         wait = FAST_POLL_S if time.monotonic() < self.fast_until else usual
-        self.news.changed.wait(wait) if self.news is not None else time.sleep(wait)
+        assert self.news is not None  # made by `start`, before the drive loop's first pause
+        self.news.changed.wait(wait)
 
     def poll(self) -> bool:
         if self.stopping:
