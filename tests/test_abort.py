@@ -246,6 +246,28 @@ def test_checkpointer_waits_give_up_once_aborted():
         abort._enabled = False  # this process is not under in-process recovery
 
 
+def test_waits_share_one_helper_thread_and_one_left_stuck_never_holds_up_the_next():
+    """`abort.waited` runs its work on a helper thread kept for the next wait (one a step
+    is started per step otherwise); a helper left in a wait that the abort gave up on is
+    not given the next one."""
+    abort.begin()
+    stuck = threading.Event()
+    try:
+        helpers = [abort.waited("a wait", threading.current_thread) for _ in range(50)]
+        assert len(set(helpers)) == 1 and helpers[0] is not threading.current_thread()
+        threading.Timer(0.2, abort.shutdown).start()
+        with pytest.raises(PeerLostError, match="a stuck wait: stopped"):
+            abort.waited("a stuck wait", stuck.wait)
+        abort.begin()  # the next generation: its waits must not queue behind the stuck one
+        started = time.monotonic()
+        assert abort.waited("the next wait", threading.current_thread) is not helpers[0]
+        assert time.monotonic() - started < 1
+    finally:
+        stuck.set()
+        abort.begin()
+        abort._enabled = False  # this process is not under in-process recovery
+
+
 def _gloo_only(rank: int, world: int) -> dict[str, object]:
     import torch
     import torch.distributed as dist

@@ -23,6 +23,35 @@ def _ckpt(root, **kwargs: Any) -> Checkpointer:
     )  # fmt: skip
 
 
+def test_a_slots_manifest_is_read_again_only_once_the_slot_changed(tmp_path, monkeypatch):
+    """`Slots.steps` (asked for every copy at every snapshot) parses a slot's manifest
+    once, and again only after the slot was rewritten or lost."""
+    from unbroken.memory.tier import Slots
+
+    ckpt, state = _ckpt(str(tmp_path)), {"w": torch.full((1000,), 1.0)}
+    for step in (1, 2):
+        ckpt.snapshot(step, state)
+        ckpt.wait()
+    loads: list[int] = []
+    real = Slots._load
+
+    def load(self: Slots, slot: int) -> Any:
+        loads.append(slot)
+        return real(self, slot)
+
+    monkeypatch.setattr(Slots, "_load", load)
+    assert ckpt._memory is not None
+    own = ckpt._memory.own
+    assert own.steps() == {1, 2} and own.steps() == {1, 2} and len(loads) <= OWN_SLOTS
+    asked = len(loads)
+    ckpt.snapshot(3, state)  # a slot rewritten
+    ckpt.wait()
+    assert 3 in own.steps() and len(loads) == asked + 1
+    slot, _ = own.whole()[3]
+    os.unlink(own._path(slot, "json"))
+    assert 3 not in own.steps()
+
+
 def test_a_copy_is_invisible_until_sealed_and_never_overwrites_the_newest(tmp_path):
     ckpt = _ckpt(str(tmp_path))
     state = {"w": torch.full((1000,), 1.0)}

@@ -64,6 +64,7 @@ class Tracker:
             weakref.WeakKeyDictionary()
         )
         self._settles = 0
+        self._covered: tuple[tuple[int, ...], bool] | None = None  # see `covered`
         self._handle: RemovableHandle | None = nn.modules.module.register_module_forward_pre_hook(
             self._hook
         )
@@ -129,17 +130,27 @@ class Tracker:
         """Whether every parameter of ``state``'s modules is in a DDP wrapper seen so far:
         a model wrapped whole, or part by part (each part its own wrapper)."""
         seen = [w for w in (ref() for ref in self._seen) if w is not None]
-        wrapped = {id(p) for w in seen for p in w.module.parameters()}
         modules = [v for v in state.values() if isinstance(v, nn.Module)]
-        return bool(modules) and all(
+        # Asked every step: once no new wrapper can be seen, the answer for the same
+        # modules and wrappers is kept.
+        asked = (*map(id, modules), *map(id, seen))
+        if self._covered is not None and self._covered[0] == asked:
+            return self._covered[1]
+        wrapped = {id(p) for w in seen for p in w.module.parameters()}
+        answer = bool(modules) and all(
             isinstance(m, DistributedDataParallel) or all(id(p) in wrapped for p in m.parameters())
             for m in modules
         )
+        if self._handle is None:
+            self._covered = asked, answer
+        return answer
 
     def settle(self, state: Mapping[str, Any]) -> None:
         """Stop watching once no layout is owed and every module of ``state`` is seen
         wrapped (parts used only every few steps take a few steps), or after
         `WATCH_STEPS` calls."""
+        if self._handle is None:  # stopped: nothing more to see (called every step)
+            return
         self._settles += 1
         if not self._owed and (self.covered(state) or self._settles >= WATCH_STEPS):
             self.stop()

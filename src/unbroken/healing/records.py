@@ -163,14 +163,21 @@ def _check_header(header: Any, payload: int) -> None:
 def fingerprint(state: Mapping[str, Any]) -> str:
     """A cheap digest of the replicated entries: names, shapes, dtypes and a few evenly
     spaced elements of every tensor (an optimizer step changes nearly all of them)."""
-    names, samples = [], []
+    names: list[str] = []
+    # One copy per dtype and device, not one per tensor: this runs every step.
+    samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for key, t in _replicated_tensors(state):
-        flat = (t.to_local() if isinstance(t, DTensor) else t).detach().reshape(-1)
-        stride = max(1, flat.numel() // SAMPLES)
+        local = (t.to_local() if isinstance(t, DTensor) else t).detach()
+        n = local.numel()
+        stride = max(1, n // SAMPLES)
         names.append(f"{key}:{dtype_name(t.dtype)}:{list(t.shape)}")
-        samples.append(flat[::stride][:SAMPLES].to("cpu").contiguous().view(torch.uint8))
-    data = torch.cat(samples) if samples else torch.empty(0, dtype=torch.uint8)
-    return checksum(memoryview("|".join(names).encode() + bytes(byte_view(data))))
+        if local.is_contiguous():  # the samples as one view
+            sample = local.as_strided((min(SAMPLES, -(-n // stride)),), (stride,))
+        else:
+            sample = local.reshape(-1)[::stride][:SAMPLES]
+        samples.setdefault((local.dtype, local.device), []).append(sample)
+    data = b"".join(bytes(byte_view(torch.cat(s).cpu())) for s in samples.values())
+    return checksum(memoryview("|".join(names).encode() + data))
 
 
 def _replicated_tensors(state: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import socket
 import sys
 import threading
@@ -144,27 +145,60 @@ def check(what: str) -> None:
 
 def waited(what: str, fn: Callable[[], T]) -> T:
     """``fn()``, collective work on connections `shutdown` cannot know yet (those it
-    makes as it runs), on a thread of its own, waited for in bounded waits that raise
-    once the generation is aborted: a rank aborted as it joins a group never waits out
-    the group's timeout for peers that have left for the next generation. The thread
-    left behind ends at that timeout. Outside in-process recovery: ``fn()``, here."""
+    makes as it runs), on a helper thread, waited for in bounded waits that raise once
+    the generation is aborted: a rank aborted as it joins a group never waits out the
+    group's timeout for peers that have left for the next generation. The helper left
+    behind ends its wait at that timeout. Outside in-process recovery: ``fn()``, here."""
     if not _enabled:
         return fn()
     check(what)
     done: futures.Future[T] = futures.Future()
-
-    def run() -> None:
-        try:
-            done.set_result(fn())
-        except BaseException as e:
-            done.set_exception(e)
-
-    threading.Thread(target=run, name="unbroken-waiting", daemon=True).start()
+    _helper().put((fn, done))
     while True:
         try:
             return done.result(timeout=POLL_S)
         except futures.TimeoutError:
             check(what)
+
+
+# `waited`'s threads, each kept for the next wait once its function returned: starting a
+# thread per wait cost a rank 2.5 % of its CPU at two waits a step (bench/storm.py).
+_idle: list[queue.SimpleQueue[Any]] = []
+
+
+def _helper() -> queue.SimpleQueue[Any]:
+    """The inbox of an idle helper thread, started if none is idle (the others may be
+    left in a wait on a failed peer, until gloo's timeout ends it)."""
+    with _lock:
+        if _idle:
+            return _idle.pop()
+    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    threading.Thread(target=_serve, args=(inbox,), name="unbroken-waiting", daemon=True).start()
+    return inbox
+
+
+def _serve(inbox: queue.SimpleQueue[Any]) -> None:
+    while True:
+        fn, done = inbox.get()
+        try:
+            result, error = fn(), None
+        except BaseException as e:
+            result, error = None, e
+        with _lock:  # idle before the waiter hears: its next wait finds this thread
+            _idle.append(inbox)
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
+        del fn, done, result, error  # a helper keeps nothing of a wait
+
+
+def _forget_helpers() -> None:
+    """A forked child has none of its parent's threads."""
+    _idle.clear()
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
 
 
 @contextlib.contextmanager

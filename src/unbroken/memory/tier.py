@@ -71,6 +71,7 @@ class Slots:
         self.newest: int | None = None  # the slot holding the newest snapshot
         self.kept: int | None = None  # the newest one the peers hold too (see `keep`)
         self._newest_known = False  # found on first write: verifying slots costs a pass
+        self._steps: dict[int, tuple[tuple[int, ...], int | None]] = {}  # see `steps`
 
     def _path(self, slot: int, ext: str) -> str:
         return os.path.join(self.dir, f"slot-{slot}.{ext}")
@@ -166,6 +167,25 @@ class Slots:
             manifest = self._load(slot)
             if manifest is not None:
                 found[manifest.step] = (slot, manifest)
+        return found
+
+    def steps(self) -> set[int]:
+        """The steps of `whole`. A slot's manifest is parsed again only once its files
+        changed: a snapshot asks for every copy's (`MemoryTier.free_older`), and parsing
+        them all took a rank 2 % of its CPU at a snapshot every 10 steps."""
+        found = set()
+        for slot in range(self.count):
+            try:  # a slot is rewritten by replacing its files: new inodes
+                text, data = os.lstat(self._path(slot, "json")), os.lstat(self._path(slot, "bin"))
+            except OSError:
+                continue
+            key = (text.st_ino, text.st_mtime_ns, text.st_size, data.st_ino, data.st_size)
+            known = self._steps.get(slot)
+            if known is None or known[0] != key:
+                manifest = self._load(slot)
+                known = self._steps[slot] = key, None if manifest is None else manifest.step
+            if known[1] is not None:
+                found.add(known[1])
         return found
 
     def verified(self, step: int) -> Manifest:
@@ -290,14 +310,14 @@ class MemoryTier:
     def holding(self, owner: int, step: int) -> Slots:
         """Slots that hold a whole snapshot of ``step`` saved by rank ``owner``."""
         for slots in self.copies().get(owner, []):
-            if step in slots.whole():
+            if step in slots.steps():
                 return slots
         raise CheckpointError(f"{self.root} holds no snapshot of rank {owner} at step {step}")
 
     def steps_of(self) -> dict[int, list[int]]:
         """``{saved rank: steps}``: the whole snapshots held here, by the rank that
         saved them (not yet checksummed: restore checks only the copies it uses)."""
-        held = {o: {s for slots in c for s in slots.whole()} for o, c in self.copies().items()}
+        held = {o: {s for slots in c for s in slots.steps()} for o, c in self.copies().items()}
         return {o: sorted(steps) for o, steps in held.items() if steps}
 
     def snapshots(self) -> dict[int, Manifest]:
@@ -313,7 +333,7 @@ class MemoryTier:
         removed = []
         for copies in self.copies().values():
             for slots in copies:
-                if slots is self.own or any(s >= step for s in slots.whole()):
+                if slots is self.own or any(s >= step for s in slots.steps()):
                     continue
                 shutil.rmtree(slots.dir, ignore_errors=True)
                 self._others.pop(slots.dir, None)
