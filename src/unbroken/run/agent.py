@@ -44,7 +44,6 @@ from unbroken.run.timeline import first_line, say
 from unbroken.run.watch import Stale
 
 CLAIM_WAIT_S = 600.0  # how long an agent waits for its --node-rank's slot to be free
-CLAIM_POLL_S = 0.02  # a standby takes a freed slot this soon (part of every node loss)
 # From a ping or an abort on, for FAST_FOR_S, the agent checks its local ranks every
 # FAST_POLL_S, not `unbroken.run.cli.POLL_S` (a recovery's critical path); the store's
 # news wakes it at once either way.
@@ -160,11 +159,11 @@ class NodeAgent(Supervisor):
             self.spares = Spares(self.store, self.base_env, self.script_argv())
             for _ in range(self.local if self.wanted is None else 1):
                 self.spares.start()
-        self.slot = self._claim()
-        self.news = Listener(self.host, self.port)
+        self.news = Listener(self.host, self.port)  # first: a standby waits on it for a slot
+        self.slot = self._claim(self.news)
         announce(self.store)
 
-    def _claim(self) -> int:
+    def _claim(self, news: Listener) -> int:
         """Claim ``--node-rank``'s slot, or the first free one; wait while none is free
         (a replacement may start before its predecessor is declared lost)."""
         slots = range(self.nodes) if self.wanted is None else [self.wanted]
@@ -184,7 +183,8 @@ class NodeAgent(Supervisor):
                 say(f"node slot(s) {list(slots)} taken: waiting for one to be free")
                 self.store.add(contract.STANDBY_KEY, 1)
                 self.standby = True
-            time.sleep(CLAIM_POLL_S)
+            news.changed.wait(LOOK_S)  # the coordinator announces a freed slot at once
+            news.take()
         raise SystemExit(f"unbroken run: no node slot of {list(slots)} came free in time")
 
     def _wait_no_more(self) -> None:
