@@ -158,6 +158,8 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.steps, args.every, args.faults, args.methods = 120, 8.0, 3, "c"
+    if "d" in args.methods and shutil.which("torchft_lighthouse") is None:  # before the others run
+        p.error("(d) needs torchft: pip install -e '.[bench]', or leave it out: --methods abc")
     cfg = Config(args.steps, args.every, args.seed, replace_delay=args.replace_delay,
                  hang_timeout=args.hang_timeout)  # fmt: skip
     where = Path(tempfile.mkdtemp(prefix="unbroken-storm-"))

@@ -29,7 +29,7 @@ def recoveries(events: list[dict[str, Any]], faults: list[dict[str, Any]], rank:
     steps = [e["t"] for e in events if e["event"] == "step" and e["rank"] == rank]
     restores = [e["t"] for e in events if e["event"] == "restored" and e["rank"] == rank]
     by: dict[str, list[float]] = {}
-    for f, nxt in zip(faults, [*(g["t"] for g in faults[1:]), math.inf], strict=True):
+    for f, nxt in zip(faults, [*(g["t"] for g in faults[1:]), math.inf], strict=False):
         # Training again: the first step after the restart this fault caused (the step
         # in flight may still complete first), or after the fault where none restarted.
         restart = [t for t in restores if f["t"] < t < nxt]
