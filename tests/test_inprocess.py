@@ -32,6 +32,7 @@ def launch(
     *options: str,
     replicas: int = 0,
     during: Callable[[subprocess.Popen[str]], None] | None = None,
+    setup_s: float = 0.0,
 ) -> dict:
     """`python -m unbroken.run --in-process OPTIONS train_job.py --in-process`: its
     timeline, final parameters, and the records each rank wrote at the start of each
@@ -56,6 +57,7 @@ def launch(
         f"--steps={STEPS}",
         f"--save-every={SAVE_EVERY}",
         f"--replicas={replicas}",
+        f"--setup-s={setup_s}",
     ]
     t0 = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -212,6 +214,20 @@ def test_a_rank_stopped_before_its_first_beat_is_found_and_replaced(tmp_path, re
     assert spare not in {s["pid"] for s in run["starts"]}, "the stopped spare never started"
     assert len({s["pid"] for s in starts_of(run, 0)}) == 1, "the healthy rank kept its process"
     assert len({s["pid"] for s in starts_of(run, 1)}) == 2
+
+
+@pytest.mark.timeout(90)
+def test_a_setup_longer_than_the_heartbeat_timeout_is_no_hang_in_a_rank_from_a_spare(tmp_path):
+    """A rank started from a warm spare has, as a cold start has, `FIRST_STEP_S` for its
+    script's setup before its first step: one judged by the heartbeat timeout alone was
+    found hung at every start of a job whose setup took longer, and the generation
+    aborted, killing the ranks still setting up (bench/storm.py's (c), 10 s timeout)."""
+    options = ["--nproc-per-node=2", "--warm-spare", "--heartbeat-timeout=2"]
+    run = launch(tmp_path, *options, "--inject-fault=kill rank=1 step=11", setup_s=5)
+    assert "from a warm spare" in run["stderr"], run["stderr"][-3000:]
+    hangs = [e for e in run["timeline"]["events"] if e["event"] in ("hang_detected", "hung")]
+    assert not hangs, run["stderr"][-3000:]
+    assert [len({s["pid"] for s in starts_of(run, r)}) for r in range(2)] == [1, 2]
 
 
 @pytest.mark.timeout(60)

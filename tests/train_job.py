@@ -49,6 +49,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--heal", action="store_true", help="ckpt.step each step: live healing")
     p.add_argument("--parts", action="store_true", help="--heal: a DDP wrapper per layer")
     p.add_argument("--split-barrier", type=int, default=0, help="--heal: see `split_barrier`")
+    p.add_argument("--setup-s", type=float, default=0.0, help="a setup this long, before step 1")
     return p.parse_args()
 
 
@@ -183,6 +184,7 @@ def main() -> None:
     args = parse()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    time.sleep(args.setup_s)  # building a large model, say: no step, so no beat
     if args.in_process:
         unbroken.run.in_process(lambda: train(args), timeout_s=30)
         return

@@ -68,6 +68,9 @@ STANDBY_KEY = "unbroken/standby"
 
 HEARTBEAT_PREFIX = "rank-"  # rank-<rank>: one fixed-width heartbeat line, rewritten
 HEARTBEAT_BYTES = 80  # the heartbeat line's width: rewritten in place, never truncated
+# How long past the heartbeat timeout a rank has from its start to its first step: its
+# imports and the script's setup (model, data, compile), which a warm spare runs too.
+FIRST_STEP_S = 300.0
 EVENTS_PREFIX = "events-"  # events-<rank>-<pid>.jsonl: one JSON line per event
 LAUNCHER_EVENTS = "launcher.jsonl"  # the launcher's own events (detections, restarts)
 REACHED_PREFIX = "reached-"  # reached-<rank>-<pid>: its last step, mapped (`run.reached`)

@@ -19,6 +19,7 @@ import runpy
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -140,6 +141,24 @@ def _orphaned(parent: int, assigned: threading.Event) -> None:
             os._exit(0)
 
 
+def _taken() -> None:
+    """Beat for the rank this spare now is, with the time its script's setup may take
+    before the first step (`contract.FIRST_STEP_S`, as a cold start has): a spare stopped
+    before this line is judged hung a heartbeat timeout after its assignment."""
+    folder, rank = os.environ.get(contract.HEARTBEAT_DIR_ENV), os.environ.get("RANK")
+    if not folder or rank is None:
+        return
+    path = os.path.join(folder, contract.heartbeat_file(int(rank)))
+    with contextlib.suppress(OSError, ValueError):  # no supervisor's beat: nothing to extend
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            step, _, pid, attempt = os.pread(fd, contract.HEARTBEAT_BYTES, 0).split()[:4]
+            then = time.time() + contract.FIRST_STEP_S
+            os.pwrite(fd, contract.heartbeat_line(int(step), then, int(pid), int(attempt)), 0)
+        finally:
+            os.close(fd)
+
+
 def serve(key: str) -> None:
     """Be a warm spare: import torch, the library and what the script imports (`preload`),
     say so under ``KEY/ready``, wait for an assignment under ``KEY/assign`` (JSON: ``env``
@@ -169,6 +188,7 @@ def serve(key: str) -> None:
         sys.exit(0)
     os.environ.update(job["env"])
     worker.reset()
+    _taken()
     del store
     sys.argv = list(job["argv"])
     if job.get("module"):

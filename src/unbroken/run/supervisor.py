@@ -50,7 +50,6 @@ from unbroken.run.watch import Stale, Watch
 
 AFTER_KILL = "the supervisor replaces that rank only"  # what follows a watchdog kill
 PROBE_S = 1.0  # how long ranks have to answer an abort after a hang (ms if alive)
-COLD_START_S = 300.0  # a cold rank imports torch before its first beat; a spare did already
 
 
 @dataclass
@@ -69,8 +68,7 @@ class Supervisor:
     job that `unbroken.run.cli.drive` runs, and the hooks of its `Watch`."""
 
     def __init__(self, opts: RunOptions, targs: argparse.Namespace, heartbeat_dir: str) -> None:
-        self.opts = opts
-        self.targs = targs
+        self.opts, self.targs = opts, targs
         self.dir = heartbeat_dir
         self.timeline = Timeline(mode="in-process")
         self.timeout = opts.ours.heartbeat_timeout
@@ -146,13 +144,15 @@ class Supervisor:
         if spare is not None:
             assert self.spares is not None
             key, worker.proc = spare
+            # Before the assignment: its own beat as it takes it (`spare.serve`) comes later.
+            self.watch.expect(rank, worker.proc.pid, generation)
             self.spares.assign(key, env, *self.script_argv())
         else:
             worker.proc = subprocess.Popen(
                 self.command(), env={**self.base_env(), **env}, start_new_session=True
             )
+            self.watch.expect(rank, worker.proc.pid, generation, contract.FIRST_STEP_S)
         self.workers[rank] = worker
-        self.watch.expect(rank, worker.proc.pid, generation, 0 if spare else COLD_START_S)
         self.timeline.add(
             "respawn" if generation else "spawn",
             f"rank {rank} (pid {worker.proc.pid}) started for generation {generation}"
