@@ -145,6 +145,18 @@ class Run:
             shutil.rmtree(memory, ignore_errors=True)
 
 
+def joined(out: Path, nodes: int, wait_s: float = 60.0) -> None:
+    """Wait until every numbered node's agent says it holds its slot: a standby started
+    beside them may take a slot first, leaving that node's agent (which wants only its
+    own) waiting as a standby for that one slot."""
+    logs = [out / f"node-{index}.log" for index in range(nodes)]
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        if all(log.exists() and "node agent" in log.read_text(errors="replace") for log in logs):
+            return
+        time.sleep(0.1)
+
+
 def drive(launch: Launch, cfg: Config, out: Path, faults: list[Fault], timeout: float) -> Run:
     """Run ``launch``'s job through ``faults`` until a rank logs ``final``."""
     out.mkdir(parents=True)
@@ -154,6 +166,7 @@ def drive(launch: Launch, cfg: Config, out: Path, faults: list[Fault], timeout: 
         for index in range(cfg.nodes):
             run.start_node(index)
         if launch.standby:
+            joined(out, cfg.nodes)
             run.start_node(None)
         first = None
         pending = list(faults)
