@@ -111,6 +111,12 @@ def heartbeat_line(step: int, t: float, pid: int, attempt: int) -> bytes:
     return line.ljust(HEARTBEAT_BYTES - 1).encode() + b"\n"
 
 
+def heartbeat_fields(line: bytes) -> tuple[int, float, int, int]:
+    """A `heartbeat_line`'s step, time, pid and attempt; ValueError if it is not one."""
+    step, t, pid, attempt = line.split()
+    return int(step), float(t), int(pid), int(attempt)
+
+
 def events_file(rank: int, pid: int) -> str:
     return f"{EVENTS_PREFIX}{rank}-{pid}.jsonl"
 

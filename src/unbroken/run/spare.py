@@ -152,9 +152,11 @@ def _taken() -> None:
     with contextlib.suppress(OSError, ValueError):  # no supervisor's beat: nothing to extend
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            step, _, pid, attempt = os.pread(fd, contract.HEARTBEAT_BYTES, 0).split()[:4]
+            step, _, pid, attempt = contract.heartbeat_fields(
+                os.pread(fd, contract.HEARTBEAT_BYTES, 0)
+            )
             then = time.time() + contract.FIRST_STEP_S
-            os.pwrite(fd, contract.heartbeat_line(int(step), then, int(pid), int(attempt)), 0)
+            os.pwrite(fd, contract.heartbeat_line(step, then, pid, attempt), 0)
         finally:
             os.close(fd)
 

@@ -209,9 +209,8 @@ class Watch:
             if not name.startswith(contract.HEARTBEAT_PREFIX):
                 continue
             try:
-                with open(os.path.join(self.dir, name)) as f:
-                    step_s, t_s, pid_s, attempt_s = f.read().split()
-                beat = Beat(int(step_s), float(t_s), int(pid_s), int(attempt_s))
+                with open(os.path.join(self.dir, name), "rb") as f:
+                    beat = Beat(*contract.heartbeat_fields(f.read()))
             except (OSError, ValueError):
                 continue  # being written for the first time
             self.beats[int(name[len(contract.HEARTBEAT_PREFIX) :])] = beat
