@@ -68,6 +68,15 @@ class Tracker:
         self._handle: RemovableHandle | None = nn.modules.module.register_module_forward_pre_hook(
             self._hook
         )
+        # Wrappers built while this tracker watches, run or not (`covered`).
+        self._built: list[weakref.ref[DistributedDataParallel]] = []
+        self._building: RemovableHandle | None = (
+            nn.modules.module.register_module_module_registration_hook(self._registered)
+        )
+
+    def _registered(self, parent: nn.Module, name: str, child: nn.Module) -> None:
+        if isinstance(parent, DistributedDataParallel) and name == "module":
+            self._built.append(weakref.ref(parent))
 
     def _hook(self, module: nn.Module, args: Any) -> None:
         if not isinstance(module, DistributedDataParallel):
@@ -127,39 +136,47 @@ class Tracker:
         return found
 
     def covered(self, state: Mapping[str, Any]) -> bool:
-        """Whether every parameter of ``state``'s modules is in a DDP wrapper seen so far:
-        a model wrapped whole, or part by part (each part its own wrapper)."""
-        seen = [w for w in (ref() for ref in self._seen) if w is not None]
-        modules = [v for v in state.values() if isinstance(v, nn.Module)]
+        """Whether every parameter of ``state``'s modules is in a DDP wrapper: one seen
+        running, or built while this tracker watched (DDP gives a wrapper's parameters the
+        same values on every rank as it builds it). A model whose parts each run every
+        few steps is covered from its first step, not once every part ran."""
         # Asked every step: once no new wrapper can be seen, the answer for the same
         # modules and wrappers is kept.
-        asked = (*map(id, modules), *map(id, seen))
+        wrappers = self._alive(self._seen + self._built)
+        modules = [v for v in state.values() if isinstance(v, nn.Module)]
+        asked = (*map(id, modules), *map(id, wrappers))
         if self._covered is not None and self._covered[0] == asked:
             return self._covered[1]
-        wrapped = {id(p) for w in seen for p in w.module.parameters()}
-        answer = bool(modules) and all(
-            isinstance(m, DistributedDataParallel) or all(id(p) in wrapped for p in m.parameters())
-            for m in modules
-        )
+        answer = _covers(modules, wrappers)
         if self._handle is None:
             self._covered = asked, answer
         return answer
 
     def settle(self, state: Mapping[str, Any]) -> None:
         """Stop watching once no layout is owed and every module of ``state`` is seen
-        wrapped (parts used only every few steps take a few steps), or after
-        `WATCH_STEPS` calls."""
+        wrapped and run (parts used only every few steps take a few steps: the first
+        backward of each is watched, see `Ready`), or after `WATCH_STEPS` calls."""
         if self._handle is None:  # stopped: nothing more to see (called every step)
             return
         self._settles += 1
-        if not self._owed and (self.covered(state) or self._settles >= WATCH_STEPS):
+        modules = [v for v in state.values() if isinstance(v, nn.Module)]
+        if not self._owed and (
+            _covers(modules, self._alive(self._seen)) or self._settles >= WATCH_STEPS
+        ):
             self.stop()
+
+    @staticmethod
+    def _alive(refs: list[weakref.ref[DistributedDataParallel]]) -> list[DistributedDataParallel]:
+        return list({id(w): w for w in (ref() for ref in refs) if w is not None}.values())
 
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
             self._owed.clear()
+        if self._building is not None:
+            self._building.remove()
+            self._building = None
         for ready in self._ready.values():
             ready.close()
 
@@ -258,6 +275,14 @@ def _first_synced(ddp: DistributedDataParallel) -> bool:
 
 def _rebuilt(ddp: DistributedDataParallel) -> bool:
     return bool(ddp._get_ddp_logging_data().get("has_rebuilt_buckets"))
+
+
+def _covers(modules: list[nn.Module], wrappers: list[DistributedDataParallel]) -> bool:
+    wrapped = {id(p) for w in wrappers for p in w.module.parameters()}
+    return bool(modules) and all(
+        isinstance(m, DistributedDataParallel) or all(id(p) in wrapped for p in m.parameters())
+        for m in modules
+    )
 
 
 def layout(ddp: DistributedDataParallel) -> Layout | None:
