@@ -1,5 +1,5 @@
 """Process trees, read from /proc: kill one whole, list it, tell a live process from a
-dead one."""
+dead one, read the CPU time one used."""
 
 from __future__ import annotations
 
@@ -47,3 +47,13 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """The CPU time ``pid`` used so far (user and system, in clock ticks); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None

@@ -23,12 +23,20 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from unbroken.run import contract, listen
 from unbroken.run.procs import kill_tree
 
 SpareProcess = tuple[str, subprocess.Popen[bytes]]  # its store key, its process
+
+
+class Taken(NamedTuple):
+    """A spare out of the pool: ``ready`` is False while it still imports."""
+
+    key: str
+    proc: subprocess.Popen[bytes]
+    ready: bool
 
 
 class Spares:
@@ -58,7 +66,7 @@ class Spares:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.idle.append((key, proc))
 
-    def take(self) -> SpareProcess | None:
+    def take(self) -> Taken | None:
         """A live spare out of the pool, a ready one first; None if none is alive. One
         still importing is taken too: it picks up its assignment once ready, which is
         never later than a process started now would be."""
@@ -69,7 +77,7 @@ class Spares:
         spare = (ready or live)[0]
         self.idle.remove(spare)
         self.owed += 1
-        return spare
+        return Taken(*spare, ready=bool(ready))
 
     def assign(self, key: str, env: dict[str, str], argv: list[str], module: bool) -> None:
         """Make spare ``key`` become a worker: its environment and script."""

@@ -143,10 +143,10 @@ class Supervisor:
         spare = None if self.spares is None else self.spares.take()
         if spare is not None:
             assert self.spares is not None
-            key, worker.proc = spare
+            worker.proc = spare.proc
             # Before the assignment: its own beat as it takes it (`spare.serve`) comes later.
-            self.watch.expect(rank, worker.proc.pid, generation)
-            self.spares.assign(key, env, *self.script_argv())
+            self.watch.expect(rank, spare.proc.pid, generation, importing=not spare.ready)
+            self.spares.assign(spare.key, env, *self.script_argv())
         else:
             worker.proc = subprocess.Popen(
                 self.command(), env={**self.base_env(), **env}, start_new_session=True
@@ -309,8 +309,7 @@ class Supervisor:
         """Once every rank completed a step in the new generation, replace the spares
         the recovery used and free the lost node's memory: a spare importing torch, or
         the kernel freeing pages, takes CPU the recovery needs."""
-        owed = self.spares is not None and self.spares.owed > 0
-        if not owed and not self.lost:
+        if not (self.spares is not None and self.spares.owed > 0) and not self.lost:
             return
         if len(self.reached("first_step", self.generation)) == self.world:
             if self.spares is not None:

@@ -16,10 +16,11 @@ from typing import Any, NamedTuple, Protocol
 
 from unbroken.access import Access
 from unbroken.run import contract, reached
-from unbroken.run.procs import alive
+from unbroken.run.procs import alive, cpu_ticks
 from unbroken.run.timeline import Timeline
 
 CLOSE_GRACE = 10  # heartbeat timeouts a process may take to shut down after closing
+BUSY_S = 1.0  # a spare taken while importing is hung once its CPU time stood still this long
 
 
 class Stale(NamedTuple):
@@ -69,6 +70,7 @@ class Watch:
         self.ignored: set[int] = set()  # pids killed, or done training: never stale
         self.finished: dict[int, int] = {}  # pid -> rank: train() returned, exiting
         self.closing: dict[int, float] = {}  # pid -> when its Checkpointer closed
+        self.importing: dict[int, tuple[float, int, float]] = {}  # see `expect`, `_busy`
         self.last_kill = float("-inf")  # monotonic
         self.offsets: dict[str, int] = {}  # events file -> bytes read
         timeline.log = os.path.join(directory, contract.LAUNCHER_EVENTS)
@@ -164,15 +166,20 @@ class Watch:
                 and now - self.hooks.since(t, attempt) > self.timeout
                 and pid not in self.ignored
                 and not self.shutting_down(pid, t, now)
+                and not self._busy(pid, t, now)
             ):
                 stale.append(Stale(step, t, rank, pid))
         if stale and time.monotonic() - self.last_kill > self.timeout:
             self.hooks.on_hang(stale, now)
 
-    def expect(self, rank: int, pid: int, attempt: int, grace: float = 0.0) -> None:
+    def expect(
+        self, rank: int, pid: int, attempt: int, grace: float = 0.0, importing: bool = False
+    ) -> None:
         """Beat once for ``rank``'s new process ``pid``: one that stops before its own
         first beat (a spare stopped as it was assigned) is judged hung like any other,
-        a heartbeat timeout (plus ``grace``) after it was given the rank."""
+        a heartbeat timeout (plus ``grace``) after it was given the rank. ``importing``:
+        a warm spare still importing, which takes the rank once ready: until its own
+        first beat it is judged hung only once its CPU time stands still (`_busy`)."""
         old = self.beats.get(rank)
         line = contract.heartbeat_line(
             -1 if old is None else old.step, time.time() + grace, pid, attempt
@@ -184,6 +191,27 @@ class Watch:
             os.pwrite(fd, line, 0)
         finally:
             os.close(fd)
+        if importing:
+            self.importing[pid] = (contract.heartbeat_fields(line)[1], -1, 0.0)
+
+    def _busy(self, pid: int, beat: float, now: float) -> bool:
+        """Whether ``pid`` is a spare given a rank while still importing (`expect`) that
+        has not beaten yet and whose CPU time grew within `BUSY_S`: importing, not hung.
+        One stopped (SIGSTOP, a hung machine) uses no CPU time and is judged."""
+        seen = self.importing.get(pid)
+        if seen is None:
+            return False
+        expected, ticks, when = seen
+        if beat != expected:  # its own beat: judged as every rank from now on
+            del self.importing[pid]
+            return False
+        if now - when < BUSY_S:
+            return True
+        used = cpu_ticks(pid)
+        if used is None or used == ticks:
+            return False
+        self.importing[pid] = (expected, used, now)
+        return True
 
     def _last_step(self, pid: int, beat_step: int) -> int:
         """The last step an exited ``pid`` reached. Heartbeats are written at most every
