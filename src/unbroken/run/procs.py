@@ -42,18 +42,20 @@ def descendants(pid: int) -> list[int]:
 
 def alive(pid: int) -> bool:
     """Running: exists and is not a zombie (a dead worker torchrun has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def cpu_ticks(pid: int) -> int | None:
     """The CPU time ``pid`` used so far (user and system, in clock ticks); None if gone."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[11]) + int(fields[12])
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first); None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
         return None
