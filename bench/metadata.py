@@ -9,9 +9,10 @@ rank (FSDP), against DCP's for the same layout and against the bare JSON work, i
 No IO and no collectives: the work done between them, in this process (which has torch
 loaded, as a training process has). The busiest rank, rank 0, in each case:
 
-- save, unbroken: the gathered rows of every rank's blocks decoded, the blocks shared by
-  several ranks found, the write plan made (every rank does this much), then each block's
-  place set and the manifest encoded (rank 0), as `unbroken.saving.pipeline` does;
+- save, unbroken: the gathered rows of every rank's blocks decoded and surveyed (the
+  regions several ranks hold found), the write plan made, then the chunks the writers
+  encoded decoded and joined into the manifest, as `unbroken.saving.pipeline` does on
+  rank 0;
 - save, DCP: its coordinator's work: every rank's local plan unpickled,
   ``DefaultSavePlanner.create_global_plan``, the storage info FileSystemWriter records
   per chunk, and the metadata pickled;
@@ -51,57 +52,65 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from common import new_table, print_result, show
 from limits import check_limits
 from unbroken.format import layout
-from unbroken.format.layout import Manifest
-from unbroken.format.write_plan import Block, make_plan
+from unbroken.format.layout import Chunk, Manifest, TensorEntry, joined
+from unbroken.format.write_plan import Block, make_plan, survey
 from unbroken.job import gc_paused
-from unbroken.saving.checksums import shared
 
 ROWS, COLS = 16, 4096  # one rank's shard of every tensor: 16 x 4096 bf16 (128 KiB)
 SHARD = ROWS * COLS * 2
 
 
+def _blocks(ranks: int, tensors: int, r: int) -> list[Block]:
+    return [
+        Block(key=f"layers.{t}.weight", dtype="BF16", shape=(ranks * ROWS, COLS),
+              offsets=(r * ROWS, 0), local_shape=(ROWS, COLS), nbytes=SHARD,
+              xxh3=f"{r * tensors + t:016x}")
+        for t in range(tensors)
+    ]  # fmt: skip
+
+
 def rows_of(ranks: int, tensors: int) -> list[bytes]:
     """Each rank's row of blocks as `unbroken.job.comm.Comm.all_gather` carries it."""
-    return [
-        json.dumps(
-            [
-                Block(
-                    key=f"layers.{t}.weight",
-                    dtype="BF16",
-                    shape=(ranks * ROWS, COLS),
-                    offsets=(r * ROWS, 0),
-                    local_shape=(ROWS, COLS),
-                    nbytes=SHARD,
-                    xxh3=f"{r * tensors + t:016x}",
-                ).to_json()
-                for t in range(tensors)
-            ]
-        ).encode()
-        for r in range(ranks)
-    ]
+    return [json.dumps([b.to_json() for b in _blocks(ranks, tensors, r)]).encode()
+            for r in range(ranks)]  # fmt: skip
 
 
-def unbroken_save(wire: list[bytes], pause: Callable[[], Any]) -> bytes:
+def written_of(ranks: int, tensors: int) -> list[bytes]:
+    """Each rank's manifest chunks, as it encodes them once it has written its blocks
+    (`unbroken.saving.pipeline._chunks`: a writer's work, not rank 0's)."""
+    rows = []
+    for r in range(ranks):
+        name, at, chunks = f"r{r:05d}-000.safetensors", 4096, []
+        for b in _blocks(ranks, tensors, r):
+            chunks.append(Chunk(offsets=list(b.offsets), shape=list(b.local_shape), file=name,
+                                start=at, end=at + SHARD, xxh3=b.xxh3).to_text())  # fmt: skip
+            at += SHARD
+        rows.append(json.dumps([chunks, {name: at}]).encode())
+    return rows
+
+
+def unbroken_save(wire: list[bytes], written: list[bytes], pause: Callable[[], Any]) -> bytes:
     """What `unbroken.saving.pipeline` does between its collectives, on rank 0."""
     with pause():
         rows = [json.loads(w) for w in wire]
     with pause():
-        by_rank = [[Block.from_json(b) for b in row] for row in rows]
-        shared(by_rank)
+        surveyed = survey(rows)
+        surveyed.early  # noqa: B018 (the keys to hash first)
     with pause():
-        plan = make_plan(by_rank)
-    files = {}
-    for rank, keys in enumerate(plan.writes):  # where each block went, as `_commit` sets it
-        name, at = f"r{rank:05d}-000.safetensors", 4096
-        for key in keys:
-            chunk = plan.chunk_of[rank, key]
-            chunk.file, chunk.start, chunk.end = name, at, at + SHARD
-            at += SHARD
-        files[name] = at
+        plan = make_plan(surveyed, [{}] * len(rows))
+    with pause():
+        chunks: dict[str, list[str]] = {key: [] for key in plan.tensors}
+        files = {}
+        for rank, w in enumerate(written):  # as `Planner.manifest` joins them
+            texts, sizes = json.loads(w)
+            files.update(sizes)
+            for key, text in zip(plan.writes[rank], texts, strict=True):
+                chunks[key].append(text)
     world = len(wire)
-    manifest = Manifest(step=1, world_size=world, created=0.0, tensors=plan.tensors,
+    tensors = {key: TensorEntry(dtype=d, shape=s) for key, (d, s) in plan.tensors.items()}
+    manifest = Manifest(step=1, world_size=world, created=0.0, tensors=tensors,
                         objects=[{}], rank_objects=[0] * world, files=files)  # fmt: skip
-    return manifest.to_json()
+    return joined(manifest, chunks).data
 
 
 def dcp_plans(ranks: int, tensors: int) -> list[bytes]:
@@ -167,7 +176,8 @@ def collector_paused() -> Iterator[None]:  # the limit's JSON work: no collectio
 
 def measure(ranks: int, tensors: int, repeats: int) -> dict[str, list[float]]:
     wire, plans = rows_of(ranks, tensors), dcp_plans(ranks, tensors)
-    manifest = unbroken_save(wire, gc_paused.building)
+    written = written_of(ranks, tensors)
+    manifest = unbroken_save(wire, written, gc_paused.building)
     metadata = dcp_save(plans)
     body = json.loads(manifest)
     Manifest.from_json(manifest, "bench")  # it parses: the bench measures a valid manifest
@@ -193,9 +203,9 @@ def measure(ranks: int, tensors: int, repeats: int) -> dict[str, list[float]]:
 
     ops: dict[str, Callable[[], object]] = {
         "save limit": limit_save,
-        "save unbroken": lambda: unbroken_save(wire, gc_paused.building),
+        "save unbroken": lambda: unbroken_save(wire, written, gc_paused.building),
         "save unbroken, collector running": unpaused(
-            lambda: unbroken_save(wire, contextlib.nullcontext)
+            lambda: unbroken_save(wire, written, contextlib.nullcontext)
         ),
         "save DCP": lambda: dcp_save(plans),
         "restore limit": limit_restore,

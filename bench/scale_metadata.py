@@ -8,12 +8,12 @@ from shared memory, and who holds each lost rank's copy) and `unbroken.healing.p
 with `unbroken.healing.messages` checking the gathered rows and digests, on rank 0 (the
 busiest: it also picks the step); the save's metadata as `unbroken.saving.pipeline`
 makes it in its three `Comm.planned` exchanges: rank 0's `unbroken.saving.planning.Planner`
-(every rank's blocks decoded, `checksums.shared`, `write_plan.make_plan`, every rank's
-part encoded, the manifest made and encoded), timed apart, and a non-planning rank's
-(rank 1: its rows encoded, its parts decoded); a restore rank's part of the manifest
-(`unbroken.format.layout.parse` with its part, the verdicts' exchange as
-`StorageSource.validate` makes it, `Manifest.built`), and, beside it, the whole
-manifest checked as every rank did before (``whole_s``). `Gathered` stands in for
+(every rank's blocks decoded and surveyed, `write_plan.make_plan`, every rank's part
+encoded, the manifest joined from the chunks the writers encoded), timed apart, and a
+non-planning rank's (rank 1: its rows encoded, its parts decoded, its chunks encoded); a
+restore rank's part of the manifest (`unbroken.format.layout.parse` with its part, the
+verdicts' exchange as `StorageSource.validate` makes it, `Manifest.built`), and, beside
+it, the whole manifest checked as every rank did before (``whole_s``). `Gathered` stands in for
 `unbroken.job.comm.Comm` in the first two: its ``all_gather`` does the JSON work
 `Comm.all_gather` does on a rank (its own row encoded, every row decoded, the collector
 paused), and moves no bytes. So the times are CPU on the critical path of a rank (the
@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from metadata import COLS, ROWS, SHARD
-from unbroken.format.layout import Manifest, parse
+from unbroken.format.layout import Chunk, Manifest, parse
 from unbroken.format.write_plan import Block
 from unbroken.healing import live, messages, plan
 from unbroken.job import gc_paused
@@ -158,24 +158,27 @@ def _blocks(world: int, tensors: int, rank: int) -> list[Block]:
 
 
 def _write_row(blocks: list[Block], rank: int) -> list[Any]:
-    """What `pipeline._write` returns: where each block went, the file's size, the rank's
-    tree and the checksums taken while writing (the rank alone holds its blocks)."""
-    name, at, where, sums = f"r{rank:05d}-000.safetensors", 4096, {}, {}
+    """What `pipeline._write` returns: the manifest chunk of each block it wrote (the
+    rank alone holds its blocks, hashed while writing), the file's size, the rank's tree."""
+    name, at, chunks = f"r{rank:05d}-000.safetensors", 4096, []
     for i, b in enumerate(blocks):
-        where[b.key] = [name, at, at + b.nbytes]
-        sums[b.key] = {"xxh3": f"{rank * len(blocks) + i:016x}"}
+        chunk = Chunk(offsets=list(b.offsets), shape=list(b.local_shape), file=name, start=at,
+                      end=at + b.nbytes, xxh3=f"{rank * len(blocks) + i:016x}")  # fmt: skip
+        chunks.append(chunk.to_text())
         at += b.nbytes
-    return [where, {name: at}, {"progress": {"step": STEP}}, sums]
+    return [chunks, {name: at}, {"progress": {"step": STEP}}]
 
 
 def _wire(obj: Any) -> bytes:
     return json.dumps(obj).encode()
 
 
-def _gathered(rows: list[bytes]) -> list[Any]:
-    """Every rank's row decoded as `Comm.gather` does on rank 0, less the error column."""
+def _planned(rows: list[bytes], plan: Callable[[list[Any]], list[Any]]) -> list[bytes]:
+    """Rank 0's side of `Comm.planned`, less the error column: every rank's row decoded
+    and planned with the collector paused throughout (`Comm.gather`), the parts encoded."""
     with gc_paused.building():
-        return [json.loads(r)[1] for r in rows]
+        parts = plan([json.loads(r)[1] for r in rows])
+    return [_wire([None, p]) for p in parts]
 
 
 def save_plan(world: int, tensors: int) -> tuple[float, float, bytes]:
@@ -190,11 +193,9 @@ def save_plan(world: int, tensors: int) -> tuple[float, float, bytes]:
     gc.collect()
     start = clock()
     planner = Planner(step=STEP, replicated=None, storage=None)
-    parts = [_wire([None, p]) for p in planner.layout(_gathered(rows))]
-    sums = _gathered([_wire([None, {}])] * world)  # FSDP: no block is held twice
-    writes = [_wire([None, p]) for p in planner.writes(sums)]
-    planner.wrote(_gathered(written))
-    [_wire([None, None]) for _ in range(world)]
+    parts = _planned(rows, planner.layout)
+    writes = _planned([_wire([None, {}])] * world, planner.writes)  # FSDP: nothing held twice
+    _planned(written, planner.wrote)
     manifest = planner.manifest(world, 0.0).to_json()
     planning = clock() - start
     gc.collect()
@@ -203,7 +204,7 @@ def save_plan(world: int, tensors: int) -> tuple[float, float, bytes]:
     _wire([None, [STEP, False, [b.to_json() for b in blocks], []]])
     _, (_, _, early) = json.loads(parts[1])  # as `Comm.scatter` decodes
     _wire([None, {}])
-    _, (_, keys) = json.loads(writes[1])
+    _, (_, keys, _) = json.loads(writes[1])
     if sorted(keys) != sorted(b.key for b in blocks) or early:
         raise AssertionError("save plan: rank 1 was not given its own blocks to write")
     _wire([None, _write_row(blocks, 1)])

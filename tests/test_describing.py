@@ -3,6 +3,7 @@ dedupes it by checksum), a region one rank alone holds while it is written."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -12,7 +13,7 @@ from ranks import run_ranks
 from unbroken import Checkpointer
 from unbroken.format.layout import Manifest, block_checksums, step_dir
 from unbroken.format.shards import byte_view
-from unbroken.format.write_plan import Block
+from unbroken.format.write_plan import Block, survey
 from unbroken.saving import checksums as describing
 from unbroken.storage.local import LocalStorage
 
@@ -27,10 +28,15 @@ def _block(key: str, offsets: tuple[int, ...] = (0,)) -> Block:
 def test_only_regions_another_rank_holds_too_are_hashed_before_the_plan():
     rank0 = [_block("dp"), _block("row", (0,)), _block("mine")]
     rank1 = [_block("dp"), _block("row", (4,)), _block("rng")]
-    assert describing.shared([rank0, rank1]) == [["dp"], ["dp"]]
+    assert _early([rank0, rank1]) == [["dp"], ["dp"]]
     # The same key and region on two ranks counts whatever the values: the plan tells
     # equal replicas from per-rank values by checksum, so both are needed first.
-    assert describing.shared([[_block("rng")], [_block("rng")]]) == [["rng"], ["rng"]]
+    assert _early([[_block("rng")], [_block("rng")]]) == [["rng"], ["rng"]]
+
+
+def _early(blocks: list[list[Block]]) -> list[list[str]]:
+    """The keys each rank hashes first, as rank 0 finds them in the rows it receives."""
+    return survey(json.loads(json.dumps([[b.to_json() for b in rank] for rank in blocks]))).early
 
 
 def test_a_block_only_this_rank_holds_is_hashed_while_it_is_written(tmp_path, monkeypatch):

@@ -1,10 +1,12 @@
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format.layout import Chunk, Manifest, TensorEntry, parse_step_dir, step_dir
-from unbroken.format.write_plan import Block, make_plan
+from unbroken.format.layout import Chunk, Manifest, TensorEntry, joined, parse_step_dir, step_dir
+from unbroken.format.write_plan import Block, make_plan, survey
 
 
 def _manifest(**changes):
@@ -112,7 +114,7 @@ def _block(key, xxh3, nbytes=100, offsets=(0,), shape=(10,), local=(10,), alias_
     ],
 )
 def test_plan_writes_each_distinct_block_once(blocks, writers, tagged):
-    plan = make_plan(blocks)
+    plan = _plan(blocks)
     written = [key for keys in plan.writes for key in keys]
     distinct = {(b.key, b.offsets, b.xxh3) for rank in blocks for b in rank}
     assert len(written) == len(distinct)
@@ -120,21 +122,50 @@ def test_plan_writes_each_distinct_block_once(blocks, writers, tagged):
         if rank is not None:
             assert key in plan.writes[rank]
     for key, ranks in tagged.items():
-        assert [c.ranks for c in plan.tensors[key].chunks] == ranks
+        writers_of = [r for r, keys in enumerate(plan.writes) if key in keys]
+        assert [plan.tags[r].get(key) for r in writers_of] == ranks
+
+
+def _plan(blocks):
+    """The plan of ``blocks`` as rank 0 makes it: from their rows as they arrive (JSON)."""
+    rows = json.loads(json.dumps([[b.to_json() for b in rank] for rank in blocks]))
+    return make_plan(survey(rows), [{} for _ in blocks])
 
 
 def test_plan_refuses_keys_whose_shape_differs_between_ranks():
     with pytest.raises(
         CheckpointError, match="'w' is F32\\[10\\] on rank 0 but F32\\[12\\] on rank 1"
     ):
-        make_plan([[_block("w", "1")], [_block("w", "1", shape=(12,), local=(12,))]])
+        _plan([[_block("w", "1")], [_block("w", "1", shape=(12,), local=(12,))]])
 
 
 def test_plan_stores_a_tied_tensor_once_only_where_every_holder_ties_it():
     tied = [_block("wte", "1"), _block("head", "1", alias_of="wte")]
-    plan = make_plan([tied, tied])
+    plan = _plan([tied, tied])
     assert sorted(k for keys in plan.writes for k in keys) == ["wte"]
-    assert plan.tensors["head"].chunks is plan.tensors["wte"].chunks
+    assert plan.aliases == {"head": "wte"}
+    assert list(plan.tensors) == ["wte", "head"]  # a tied key last, stored as its original
     # Rank 1 holds the two as separate tensors (equal bytes): stored as usual.
-    plan = make_plan([tied, [_block("wte", "1"), _block("head", "1")]])
+    plan = _plan([tied, [_block("wte", "1"), _block("head", "1")]])
     assert sorted(k for keys in plan.writes for k in keys) == ["head", "wte"]
+    assert plan.aliases == {}
+
+
+def test_a_manifest_joined_from_its_writers_chunks_is_the_one_to_json_writes():
+    """A save's manifest is joined from the chunks each writer encoded: the same bytes."""
+    chunks = [
+        Chunk(offsets=[0, 0], shape=[4, 2], file="r00000-000.safetensors", start=8, end=24,
+              xxh3="ab", ranks=[0, 2], pieces=["a", "b"], piece_bytes=8),
+        Chunk(offsets=[0, 0], shape=[4, 2], file="r00001-000.safetensors", start=8, end=24,
+              xxh3="cd", ranks=[1]),
+    ]  # fmt: skip
+    m = _manifest()
+    m.tensors['caf\u00e9/"q"'] = TensorEntry(dtype="F32", shape=[4, 2], chunks=chunks)
+    m.objects = [{"z": 1, "a": "\u00e9"}]
+    texts = {key: [c.to_text() for c in e.chunks] for key, e in m.tensors.items()}
+    bare = {k: TensorEntry(dtype=e.dtype, shape=e.shape) for k, e in m.tensors.items()}
+    header = Manifest(step=m.step, world_size=m.world_size, created=m.created, tensors=bare,
+                      objects=m.objects, rank_objects=m.rank_objects, files=m.files)  # fmt: skip
+    encoded = joined(header, texts)
+    assert encoded.data == m.to_json()
+    assert encoded.step == 12 and encoded.to_json() is encoded.data

@@ -26,15 +26,17 @@ def _save_job(rank: int, world: int, path: str) -> dict[str, Any]:
     import unbroken
     from unbroken.format import write_plan
     from unbroken.job.comm import Comm
+    from unbroken.saving import planning
 
     decoded = [0]
-    real_decode = write_plan.Block.from_json.__func__  # type: ignore[attr-defined]
+    real_survey = write_plan.survey
 
-    def counting(cls: type, row: list[object]) -> Any:
-        decoded[0] += 1
-        return real_decode(cls, row)
+    def counting(rows_by_rank: list[list[Any]]) -> Any:
+        decoded[0] += sum(len(rows) for rows in rows_by_rank)
+        return real_survey(rows_by_rank)
 
-    write_plan.Block.from_json = classmethod(counting)  # type: ignore[method-assign,assignment]
+    write_plan.survey = counting
+    planning.survey = counting
     received: list[Any] = []
     real_scatter = Comm.scatter
 
@@ -139,3 +141,42 @@ def test_the_parts_together_check_what_the_whole_checks():
         assert sorted(k for s in shares for k in s) == sorted(tensors)
         sizes = [sum(1 if k == "bad" else len(tensors[k]["chunks"]) for k in s) for s in shares]
         assert max(sizes) <= sum(sizes) / parts + 5, (parts, sizes)
+
+
+def test_rank_0_joins_the_chunks_its_writers_encoded_in_each_tensor_s_order():
+    """Out of rank order (rank 0 holds the second rows) and a region whose value differs
+    between ranks: the manifest is what the writers encoded, each tensor's chunks sorted
+    by region then ranks, and a tagged chunk's writer was told the ranks to name."""
+    from unbroken.format.layout import Chunk, Manifest
+    from unbroken.format.write_plan import Block
+    from unbroken.saving.planning import Planner
+
+    def block(key: str, offset: int, xxh3: str = "") -> list[Any]:
+        return Block(key=key, dtype="F32", shape=(8,), offsets=(offset,), local_shape=(4,),
+                     nbytes=16, xxh3=xxh3).to_json()  # fmt: skip
+
+    rows = [[1, False, [block("s", 4), block("rng", 0)], []],
+            [1, False, [block("s", 0), block("rng", 0)], []]]  # fmt: skip
+    planner = Planner(step=1, replicated=None, storage=None)
+    early = planner.layout(json.loads(json.dumps(rows)))
+    assert early == [[None, False, ["rng"]], [None, False, ["rng"]]]
+    sums = [{"rng": {"xxh3": "a0"}}, {"rng": {"xxh3": "a1"}}]  # the values differ
+    parts = planner.writes(sums)
+    assert [sorted(p[1]) for p in parts] == [["rng", "s"], ["rng", "s"]]
+    assert [p[2] for p in parts] == [{"rng": [0]}, {"rng": [1]}]
+    written = []
+    for rank, (_, keys, tags) in enumerate(parts):
+        name = f"r{rank:05d}-000.safetensors"
+        offsets = {"s": 4 - 4 * rank, "rng": 0}
+        texts = [Chunk(offsets=[offsets[k]], shape=[4], file=name, start=16 * i, end=16 * i + 16,
+                       xxh3=sums[rank].get(k, {}).get("xxh3", "5"), ranks=tags.get(k)).to_text()
+                 for i, k in enumerate(keys)]  # fmt: skip
+        written.append([texts, {name: 16 * len(keys)}, {"step": 1}])
+    planner.wrote(json.loads(json.dumps(written)))
+    m = Manifest.from_json(planner.manifest(2, 0.0).to_json(), "m")
+    assert [(c.offsets, c.file[:6]) for c in m.tensors["s"].chunks] == [
+        ([0], "r00001"),
+        ([4], "r00000"),
+    ]
+    assert [(c.ranks, c.xxh3) for c in m.tensors["rng"].chunks] == [([0], "a0"), ([1], "a1")]
+    assert m.rank_objects == [0, 0] and m.objects == [{"step": 1}]

@@ -139,3 +139,27 @@ def test_a_suspect_mark_that_cannot_be_read_is_said_and_the_restore_stands(tmp_p
         assert ckpt.restore(back) == 1
     assert torch.equal(back["w"], state["w"])
     assert f"{SUSPECT} is unreadable" in caplog.text and "503 SlowDown" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("replicated", "known", "compares"),
+    [
+        (Replicated(), [[], []], False),  # FSDP shards: nothing known replicated
+        (Replicated(), None, False),
+        (Replicated(), [[0], [0]], True),
+        (Replicated(auto=False), [[0], [0]], False),
+        (Replicated(names=("model",), auto=False), [[], []], True),
+    ],
+)
+def test_the_plan_keeps_every_block_for_the_comparison_only_when_it_compares_some(
+    replicated, known, compares
+):
+    """Rank 0 drops every rank's blocks after the survey unless `compares` says the
+    check needs them: where it says no, the check finds nothing even where values differ."""
+    blocks = [
+        [Block(key="model/w", dtype="F32", shape=(4,), offsets=(0,), local_shape=(4,),
+               nbytes=16, xxh3=value)]
+        for value in ("aa", "bb")
+    ]  # fmt: skip
+    assert replicated.compares(known) is compares
+    assert bool(replicated.divergent(blocks, known)) is compares

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -175,8 +175,12 @@ class Replicated:
         """`known` of ``state``, or None when ``auto`` is off."""
         return known(state, wrappers) if self.auto else None
 
+    def compares(self, known_by_rank: list[Any] | None) -> bool:
+        """Whether `check` compares anything: some names, or state known replicated."""
+        return bool(self.names) or (self.auto and any(known_by_rank or []))
+
     def divergent(
-        self, blocks_by_rank: list[list[Block]], known_by_rank: list[Any] | None = None
+        self, blocks_by_rank: Sequence[Sequence[Block]], known_by_rank: list[Any] | None = None
     ) -> list[Divergence]:
         """The regions compared (under ``names``, and those ``known_by_rank`` lists: the
         indices of each rank's blocks it knows to be replicated) whose checksums differ
@@ -192,7 +196,7 @@ class Replicated:
             if len(values) > 1
         ]
 
-    def _compared(self, blocks: list[Block], mine: Any) -> list[Block]:
+    def _compared(self, blocks: Sequence[Block], mine: Any) -> list[Block]:
         picked: set[int] = set()
         if isinstance(mine, list):  # from a peer: only indices of its own blocks count
             picked.update(i for i in mine if type(i) is int and 0 <= i < len(blocks))
@@ -201,7 +205,11 @@ class Replicated:
         return [blocks[i] for i in sorted(picked)]
 
     def check(
-        self, step: int, blocks_by_rank: list[list[Block]], rank: int, known_by_rank: Any = None
+        self,
+        step: int,
+        blocks_by_rank: Sequence[Sequence[Block]],
+        rank: int,
+        known_by_rank: Any = None,
     ) -> list[Divergence]:
         """Run at save time on every rank with the same gathered blocks (so every rank
         decides alike): record and act; returns what diverged for ``"suspect"``."""
@@ -241,7 +249,7 @@ def guard(
     rank: int,
     storage: object,
     step: int,
-    blocks: list[list[Block]],
+    blocks: Sequence[Sequence[Block]],
     known_by_rank: list[Any] | None = None,
 ) -> None:
     """The save's check (one call from `unbroken.saving.pipeline`): rank 0 writes ``suspect.json``

@@ -13,7 +13,15 @@ import json
 from typing import Any
 
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format.layout import LATEST, MANIFEST, Manifest, parse, parse_step_dir, step_dir
+from unbroken.format.layout import (
+    LATEST,
+    MANIFEST,
+    Encoded,
+    Manifest,
+    parse,
+    parse_step_dir,
+    step_dir,
+)
 from unbroken.format.validate import latest_step
 from unbroken.run import faults
 from unbroken.storage import Storage
@@ -120,7 +128,7 @@ class Directory:
 
     # -- writing -----------------------------------------------------------------------
 
-    def commit(self, manifest: Manifest) -> None:
+    def commit(self, manifest: Manifest | Encoded) -> None:
         """Write ``manifest`` atomically: from now on its step exists. Never replaces a
         step another writer committed meanwhile."""
         faults.point("manifest-commit")

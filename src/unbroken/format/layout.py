@@ -13,7 +13,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"  # {"step": N}: the newest committed step, moved only after its commit
 INFO = "info.json"  # in a step's folder: when it was committed, its metric, DDP layouts
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # as `Manifest.to_json` encodes
 
 
 @functools.cache
@@ -182,6 +183,10 @@ class Chunk:
                 out[name] = value
         return out
 
+    def to_text(self) -> str:
+        """As `Manifest.to_json` writes it: a save's writers encode their own (`joined`)."""
+        return _COMPACT.encode(self.to_dict())
+
 
 @dataclass(kw_only=True)
 class TensorEntry:
@@ -259,6 +264,38 @@ class Manifest:
                 )
             except (KeyError, TypeError) as e:
                 raise CorruptCheckpointError(f"{where} is missing or has a malformed {e}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Encoded:
+    """A manifest encoded already (`joined`); `Directory.commit` takes it as it takes a
+    `Manifest`."""
+
+    step: int
+    data: bytes
+
+    def to_json(self) -> bytes:
+        return self.data
+
+
+def joined(manifest: Manifest, chunks: Mapping[str, list[str]]) -> Encoded:
+    """``manifest`` with each tensor's chunks as their writers encoded them
+    (`Chunk.to_text`), ``manifest.tensors`` giving the order and the tensors' dtype and
+    shape: the bytes `Manifest.to_json` writes, without a `Chunk` per block (a save's
+    manifest, on rank 0, of every block of the job)."""
+    sep = (",", ":")
+    tensors = ",".join(
+        f'{json.dumps(key)}:{{"dtype":{json.dumps(e.dtype)},'
+        f'"shape":{json.dumps(e.shape, separators=sep)},"chunks":[{",".join(chunks[key])}]}}'
+        for key, e in manifest.tensors.items()
+    )
+    m = manifest
+    head = json.dumps({"format": FORMAT, "step": m.step, "world_size": m.world_size,
+                       "created": m.created}, separators=sep)  # fmt: skip
+    tail = json.dumps({"objects": m.objects, "rank_objects": m.rank_objects, "files": m.files,
+                       "version": m.version}, separators=sep)  # fmt: skip
+    text = f'{head[:-1]},"tensors":{{{tensors}}},{tail[1:]}'
+    return Encoded(step=m.step, data=text.encode())
 
 
 def parse(data: bytes, where: str, part: Part = WHOLE, *, whole: bool = True) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from unbroken.job.gc_paused import building
 from unbroken.job.transfers import Transfers, done, lent
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 # How gloo and torch's store say that the other end of a connection is gone.
 _GONE = ("connection closed", "connection reset", "broken pipe", "read error", "write error")
@@ -185,18 +186,24 @@ class Comm:
     # -- rank 0 plans, the others get their part (issue 33: no rank decodes every row
     # but rank 0; every other rank's cost is its own row and its own part) ------------
 
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` (JSON), in rank order, on rank 0; None on the others."""
+    def gather(self, obj: Any, use: Callable[[list[Any]], R]) -> R | None:
+        """``use`` of every rank's ``obj`` (JSON), in rank order, on rank 0; None on the
+        others. ``use`` runs with the collector still paused for the decoding: what it
+        drops (a save's plan keeps little of every rank's blocks) is freed before a
+        collection would walk it."""
         if self.group is None:
-            return [obj]
+            return use([obj])
         with self.wire():
             lengths, rows = _gather(self.group, json.dumps(obj).encode())
         if self.rank != 0:
             return None
         with building():  # every rank's blocks, on this rank alone
-            return [
-                json.loads(row[:n].numpy().tobytes()) for row, n in zip(rows, lengths, strict=True)
-            ]
+            return use(
+                [
+                    json.loads(row[:n].numpy().tobytes())
+                    for row, n in zip(rows, lengths, strict=True)
+                ]
+            )
 
     def scatter(self, parts: list[Any] | None) -> Any:
         """``parts[r]`` of rank 0 (JSON, one per rank) on rank r; ``parts`` is read on
@@ -227,25 +234,31 @@ class Comm:
         rank returns its own part. A failure of ``fn`` on any rank, or of ``plan``, raises
         on every rank as `together`'s does."""
         result, error = self._attempt(fn)
-        rows = self.gather([None if error is None else str(error), result])
-        parts: list[Any] | None = None
-        if rows is not None:
-            failures = [f"rank {r}: {e}" for r, (e, _) in enumerate(rows) if e is not None]
-            if not failures:
-                try:
-                    parts = [[None, p] for p in plan([row[1] for row in rows])]
-                except Exception as e:  # rank 0 raises it, the others hear of it
-                    error = e
-                    failures = [f"rank 0: {e}"]
-            if failures:
-                parts = [[f"{what} failed on another rank: {'; '.join(failures)}", None]]
-                parts *= self.world_size
+        row = [None if error is None else str(error), result]
+        parts, failed = self.gather(row, lambda rows: self._parts(what, rows, plan)) or (None, None)
+        if failed is not None:
+            error = failed
         failure, part = self.scatter(parts)
         if error is not None:
             raise error
         if failure is not None:
             raise CheckpointError(failure)
         return part
+
+    def _parts(
+        self, what: str, rows: list[Any], plan: Callable[[list[Any]], list[Any]]
+    ) -> tuple[list[Any], Exception | None]:
+        """Rank 0's parts: ``plan``'s, or for every rank what failed (the error ``plan``
+        raised, if it did, for rank 0 to raise)."""
+        failures = [f"rank {r}: {e}" for r, (e, _) in enumerate(rows) if e is not None]
+        error = None
+        if not failures:
+            try:
+                return [[None, p] for p in plan([row[1] for row in rows])], None
+            except Exception as e:  # rank 0 raises it, the others hear of it
+                error, failures = e, [f"rank 0: {e}"]
+        failed = [f"{what} failed on another rank: {'; '.join(failures)}", None]
+        return [failed] * self.world_size, error
 
 
 def gloo_group(create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:

@@ -4,15 +4,15 @@ The write plan (`unbroken.format.write_plan`) writes a region several ranks hold
 choosing among the holders of each value by checksum, so those blocks are hashed before
 anything is written (and `unbroken.sdc` compares them then). A region one rank alone
 holds (a shard, per-rank state) is that rank's to write whatever its checksum: it is
-hashed while it uploads, and its checksums reach the manifest with where it went. A
+hashed while it uploads, and its checksums reach the manifest in the chunk its writer
+encodes (`unbroken.saving.pipeline._chunks`). A
 sharded save thus sends its first byte without hashing first; a data-parallel one hashes
 its replicated state first, as it must."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any, Protocol
 
 import torch
@@ -54,13 +54,6 @@ def layout(staged: Staged) -> list[Block]:
     ]
 
 
-def shared(by_rank: list[list[Block]]) -> list[list[str]]:
-    """Per rank, the keys of its blocks whose region another rank holds too: hashed
-    before the plan. One pass over every block (rank 0's, for every rank)."""
-    held = Counter((b.key, b.offsets) for rank_blocks in by_rank for b in rank_blocks)
-    return [[b.key for b in blocks if held[b.key, b.offsets] > 1] for blocks in by_rank]
-
-
 def checksums(
     staged: Staged, keys: Iterable[str], threads: int, beside: Callable[[], None] | None = None
 ) -> Sums:
@@ -82,11 +75,3 @@ def checksums(
     todo = first + sorted({staged.aliases.get(k, k) for k in keys})
     run_all(one, todo, max(2, threads))
     return {key: sums[staged.aliases.get(key, key)] for key in keys}
-
-
-def with_checksums(by_rank: list[list[Block]], sums_by_rank: list[Sums]) -> list[list[Block]]:
-    """Every rank's blocks, those each rank hashed with their checksums."""
-    return [
-        [replace(b, **sums[b.key]) if b.key in sums else b for b in blocks]
-        for blocks, sums in zip(by_rank, sums_by_rank, strict=True)
-    ]

@@ -27,7 +27,7 @@ import torch
 from unbroken.errors import CheckpointError, StorageError
 from unbroken.format.blockio import run_all
 from unbroken.format.directory import Directory
-from unbroken.format.layout import INFO, step_dir
+from unbroken.format.layout import INFO, Chunk, step_dir
 from unbroken.format.shards import local_block, write_blocks
 from unbroken.job import abort, overlap
 from unbroken.job.comm import Comm
@@ -186,14 +186,14 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
         sums.update(_hash(ctx, staged, early))
         return sums
 
-    refusal, writes = comm.planned(what, lambda: explained(ctx, what, hashed), planner.writes)
+    refusal, writes, tags = comm.planned(what, lambda: explained(ctx, what, hashed), planner.writes)
     refused(refusal)
     writing.append(True)
     info = Info(step, time.time(), staged.metric)
     comm.planned(
         f"writing step {step}",
         lambda: explained(
-            ctx, f"writing step {step}", lambda: _write(ctx, staged, writes, sums, info)
+            ctx, f"writing step {step}", lambda: _write(ctx, staged, writes, tags, sums, info)
         ),
         planner.wrote,
     )
@@ -274,12 +274,17 @@ def _hash(ctx: SaveContext, staged: Staged, keys: list[str]) -> Sums:
 
 
 def _write(
-    ctx: SaveContext, staged: Staged, writes: list[str], hashed: Sums, info: Info
+    ctx: SaveContext,
+    staged: Staged,
+    writes: list[str],
+    tags: dict[str, list[int]],
+    hashed: Sums,
+    info: Info,
 ) -> list[Any]:
     """Write the blocks of ``writes`` (this rank's part of the plan); meanwhile hash those
     not ``hashed`` yet (the blocks this rank alone holds) and, on rank 0, write the step's
-    info. Returns where the blocks went, the files' sizes, this rank's tree and the late
-    checksums."""
+    info. Returns the manifest chunks of ``writes``, in order (`_chunks`), the files'
+    sizes and this rank's tree."""
     rank, storage, folder = ctx.comm.rank, ctx.directory.storage, step_dir(info.step)
     mine = set(writes)
     blocks = [(k, t) for k, t in zip(staged.keys, staged.blocks, strict=True) if k in mine]
@@ -296,7 +301,29 @@ def _write(
     if rank == 0:
         jobs.append(lambda: storage.write(f"{folder}/{INFO}", [text]))
     run_all(lambda job: job(), jobs, len(jobs))
-    return [*out["where"], staged.tree, out["sums"]]
+    where, sizes = out["where"]
+    return [_chunks(staged, writes, tags, where, hashed | out["sums"]), sizes, staged.tree]
+
+
+def _chunks(
+    staged: Staged,
+    writes: list[str],
+    tags: dict[str, list[int]],
+    where: dict[str, tuple[str, int, int]],
+    sums: Sums,
+) -> list[str]:
+    """The manifest chunk of each key of ``writes`` as `layout.Manifest` stores it, the
+    ranks it names from ``tags``: encoded here, by its writer, so that rank 0 only joins
+    them (`unbroken.saving.planning`)."""
+    index = {key: i for i, key in enumerate(staged.keys)}
+    out = []
+    for key in writes:
+        i, (file, start, end) = index[key], where[key]
+        region = list(staged.offsets[i]), list(staged.blocks[i].shape)
+        chunk = Chunk(offsets=region[0], shape=region[1], file=file, start=start, end=end,
+                      ranks=tags.get(key), **sums[key])  # fmt: skip
+        out.append(chunk.to_text())
+    return out
 
 
 def _commit(ctx: SaveContext, info: Info, planner: Planner) -> None:
