@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import logging
 import mmap
@@ -254,10 +253,9 @@ _WRITEBACK_BYTES = 16 << 20
 
 
 def _writeback_starter() -> Callable[[int, int, int], None]:
-    libc_name = ctypes.util.find_library("c")
-    sync_file_range = (
-        getattr(ctypes.CDLL(libc_name), "sync_file_range", None) if libc_name else None
-    )
+    # The symbols the process already has (libc's among them), not `find_library`, which
+    # forks the importing process (a training job's, hundreds of MiB) to run ldconfig.
+    sync_file_range = getattr(ctypes.CDLL(None), "sync_file_range", None)
     if sync_file_range is None:  # not Linux: fsync alone still makes the file durable
         return lambda fd, offset, length: None
     sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
