@@ -63,7 +63,7 @@ class Method:
     def __init__(self, name: str, root: Path, model: nn.Module, optim: Any) -> None:
         self.name, self.root, self.model, self.optim = name, root, model, optim
         self.pending: Any = None  # waits for the last save
-        self.done: Callable[[], bool] = lambda: True  # whether it is durable
+        self.done: Callable[[], bool]  # whether the last save is durable (not snapshots)
         if name.startswith("unbroken"):
             self.ckpt = unbroken.Checkpointer(root, overlap=name == "unbroken", keep=None)
         if name.startswith("snapshot"):
