@@ -220,3 +220,34 @@ def test_a_snapshot_torn_outside_the_optimizer_is_never_published(tmp_path):
     assert _memory(tmp_path).restore(state(fresh, fresh_optim)) == 1
     assert same(values(fresh, fresh_optim), first)
     ckpt.close()
+
+
+def test_a_process_forked_during_a_save_copies_on_its_own(tmp_path):
+    """The copies run on one long-lived thread, which a fork does not carry over: a
+    child forked while its parent's copy is pending (a data loader's worker, say) waits
+    for none of the parent's copies, and a copy of its own runs and settles."""
+    import os
+
+    model, optim = make()
+    parent = Checkpointer(tmp_path)
+    step(model, optim)
+    parent.save(1, state(model, optim), blocking=False)
+    assert overlap._pending, "nothing was deferred: the overlap is not exercised"
+    pid = os.fork()
+    if pid == 0:  # the child: any failure is its exit status
+        code = 1
+        try:
+            assert not overlap._pending
+            source, into = torch.arange(1000.0), torch.zeros(1000)
+            copy = overlap.Copy(["t"], [source], [(into, source)], None)
+            overlap.settle()
+            intact = copy.verdict("the child's copy") is None and torch.equal(into, source)
+            code = 0 if intact else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    step(model, optim)
+    parent.wait()
+    assert parent.steps() == [1]
+    parent.close()
