@@ -2,6 +2,7 @@
 optimizer state beside the next forward and backward, and the step it commits still
 holds the values at the save, whatever the loop changes at every moment it may."""
 
+import os
 import threading
 
 import pytest
@@ -226,8 +227,6 @@ def test_a_process_forked_during_a_save_copies_on_its_own(tmp_path):
     """The copies run on one long-lived thread, which a fork does not carry over: a
     child forked while its parent's copy is pending (a data loader's worker, say) waits
     for none of the parent's copies, and a copy of its own runs and settles."""
-    import os
-
     model, optim = make()
     parent = Checkpointer(tmp_path)
     step(model, optim)

@@ -38,8 +38,8 @@ _pending: list[Copy] = []
 _lock = threading.Lock()
 _hook: Any = None
 # One copier thread per process, kept between saves: starting a thread per save cost the
-# training thread a wait for the new thread to be scheduled (a third of what a save
-# blocked, on a busy core).
+# training thread a wait for the new thread to be scheduled (about a quarter of what a
+# save blocked).
 _queue: queue.SimpleQueue[Copy] = queue.SimpleQueue()
 _copier: threading.Thread | None = None
 
@@ -73,7 +73,7 @@ def settle() -> None:
 def _start() -> None:
     global _copier
     with _lock:
-        if _copier is None or not _copier.is_alive():
+        if _copier is None:  # never ends once started; None in a forked child
             _copier = threading.Thread(target=_serve, name="unbroken-copy", daemon=True)
             _copier.start()
 
@@ -91,8 +91,9 @@ def _serve() -> None:
 def _forked() -> None:
     """A forked child has none of the parent's threads: it starts its own copier, and the
     parent's copies under way are not its to wait for."""
-    global _copier, _queue
-    _copier, _queue = None, queue.SimpleQueue()
+    global _copier, _queue, _lock
+    # A lock a parent's thread held at the fork would stay held here for good.
+    _copier, _queue, _lock = None, queue.SimpleQueue(), threading.Lock()
     _pending.clear()
 
 
