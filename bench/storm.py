@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+import signal
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -162,6 +164,8 @@ def main() -> None:
         p.error("(d) needs torchft: pip install -e '.[bench]', or leave it out: --methods abc")
     cfg = Config(args.steps, args.every, args.seed, replace_delay=args.replace_delay,
                  hang_timeout=args.hang_timeout)  # fmt: skip
+    # A SIGTERM unwinds like Ctrl-C, through the `finally` that ends each run's processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     where = Path(tempfile.mkdtemp(prefix="unbroken-storm-"))
     try:
         ref_run = drive(storm_methods.reference(cfg), cfg, where / "e", [], 120 + cfg.steps)

@@ -136,13 +136,15 @@ class Run:
                     self.start_node(node)
 
     def close(self) -> None:
-        (self.out / "faults.json").write_text(json.dumps({"t0": self.t0, "faults": self.faults}))
+        """End every process of the run first (agents restart their ranks for as long as
+        they live), then write down its faults."""
         for pid in self.stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.stop_job()
         for memory in Path("/dev/shm").glob(f"unbroken-storm-{os.getpid()}-*"):
             shutil.rmtree(memory, ignore_errors=True)
+        (self.out / "faults.json").write_text(json.dumps({"t0": self.t0, "faults": self.faults}))
 
 
 def joined(out: Path, nodes: int, wait_s: float = 60.0) -> None:

@@ -157,8 +157,7 @@ class NodeAgent(Supervisor):
             # Ready before the slot is: an agent without --node-rank is a standby or a
             # replacement node, whose ranks all start at once: one spare for each.
             self.spares = Spares(self.store, self.base_env, self.script_argv())
-            for _ in range(self.local if self.wanted is None else 1):
-                self.spares.start()
+            self.spares.start(self.local if self.wanted is None else 1)
         self.news = Listener(self.host, self.port)  # first: a standby waits on it for a slot
         self.slot = self._claim(self.news)
         announce(self.store)

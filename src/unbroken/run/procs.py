@@ -7,6 +7,18 @@ import contextlib
 import os
 import signal
 from pathlib import Path
+from typing import Protocol
+
+
+class Process(Protocol):
+    """What the launchers use of a process they started: `subprocess.Popen`, or a spare
+    forked by another process (`unbroken.run.template.Forked`)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 def kill_tree(pid: int) -> list[int]:

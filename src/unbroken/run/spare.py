@@ -1,10 +1,11 @@
 """Warm spares for ``unbroken run --in-process --warm-spare``: standby processes that have
 already imported torch and wait on the supervisor's store for a rank to take over, so a
-replacement skips the interpreter start and the imports (about 2 s here).
+replacement skips the interpreter start and the imports (seconds, and as much CPU).
 
-Both sides live here: `Spares`, the supervisor's pool, and `serve`, the spare itself
-(``python -m unbroken.run.spare KEY``). The keys they share are in
-`unbroken.run.contract`.
+Every spare is forked from one template process (`unbroken.run.template`) that made the
+imports once. Both sides live here: `Spares`, the supervisor's pool, and the spare's own
+side: `main`, the template's process, and `become`, each spare forked from it. The keys
+they share are in `unbroken.run.contract`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import importlib.util
 import json
 import os
 import runpy
-import subprocess
 import sys
 import threading
 import time
@@ -25,24 +25,25 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-from unbroken.run import contract, listen
+from unbroken.run import contract, listen, template
 from unbroken.run.procs import kill_tree
+from unbroken.run.template import Forked, Template
 
-SpareProcess = tuple[str, subprocess.Popen[bytes]]  # its store key, its process
+FORK_WAIT_S = 120.0  # longest wait for the template's imports before a cold start instead
 
 
 class Taken(NamedTuple):
-    """A spare out of the pool: ``ready`` is False while it still imports."""
+    """A spare out of the pool: ``ready`` is False while it still connects."""
 
     key: str
-    proc: subprocess.Popen[bytes]
+    proc: Forked
     ready: bool
 
 
 class Spares:
     """The supervisor's pool of warm spares on its ``store``; each starts with the
     environment ``env()`` returns. Spares taken are replaced later (`replenish`), not at
-    once: a spare importing torch takes CPU the recovery needs."""
+    once: their template's first imports take CPU the job's start needs."""
 
     def __init__(
         self,
@@ -54,30 +55,46 @@ class Spares:
         self.env = env
         # The worker's script (argv, whether a module): its imports are made in advance.
         self.script = None if script is None else json.dumps([script[0][0], script[1]])
-        self.idle: list[SpareProcess] = []
+        self.template: Template | None = None
+        self.idle: list[str] = []  # keys asked of the template, forked or not yet
         self.owed = 0  # taken, not replaced yet
 
-    def start(self) -> None:
-        key = f"{contract.SPARE_PREFIX}{uuid.uuid4().hex[:8]}"
-        cmd = [sys.executable, "-u", "-m", "unbroken.run.spare", key]
-        env = self.env()
-        if self.script is not None:
-            env[contract.SPARE_SCRIPT_ENV] = self.script
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        self.idle.append((key, proc))
+    def start(self, count: int = 1) -> None:
+        for _ in range(count):
+            key = self._ask()
+            if key is not None:
+                self.idle.append(key)
 
     def take(self) -> Taken | None:
-        """A live spare out of the pool, a ready one first; None if none is alive. One
-        still importing is taken too: it picks up its assignment once ready, which is
-        never later than a process started now would be."""
-        live = [(key, proc) for key, proc in self.idle if proc.poll() is None]
-        if not live:
-            return None
-        ready = [s for s in live if self.store.check([f"{s[0]}/{contract.SPARE_READY}"])]
-        spare = (ready or live)[0]
-        self.idle.remove(spare)
-        self.owed += 1
-        return Taken(*spare, ready=bool(ready))
+        """A live spare out of the pool, a ready one first, else one forked now; None if
+        the template is gone. While the template still imports this waits for it, which
+        is never later than a process started now would be ready."""
+        ready = [k for k in self.idle if self.store.check([f"{k}/{contract.SPARE_READY}"])]
+        for key in ready + [k for k in self.idle if k not in ready]:
+            self.idle.remove(key)
+            proc = self._forked(key)
+            if proc is not None:
+                self.owed += 1
+                return Taken(key, proc, ready=key in ready)
+        fresh = self._ask()  # the pool is empty: a fork now (not owed: the pool is whole)
+        proc = None if fresh is None else self._forked(fresh)
+        return None if proc is None or fresh is None else Taken(fresh, proc, ready=False)
+
+    def _ask(self) -> str | None:
+        """Ask the template (started with the first spare) for a spare; its key, or None
+        if the template is gone."""
+        key = f"{contract.SPARE_PREFIX}{uuid.uuid4().hex[:8]}"
+        if self.template is None:
+            env = self.env()
+            if self.script is not None:
+                env[contract.SPARE_SCRIPT_ENV] = self.script
+            self.template = Template(env)
+        return key if self.template.fork(key, self.env()) else None
+
+    def _forked(self, key: str) -> Forked | None:
+        assert self.template is not None
+        proc = self.template.forked(key, FORK_WAIT_S)
+        return proc if proc is not None and proc.poll() is None else None
 
     def assign(self, key: str, env: dict[str, str], argv: list[str], module: bool) -> None:
         """Make spare ``key`` become a worker: its environment and script."""
@@ -85,16 +102,19 @@ class Spares:
         self.store.set(f"{key}/{contract.SPARE_ASSIGN}", job)
 
     def replenish(self) -> None:
-        for _ in range(self.owed):
-            self.start()
+        self.start(self.owed)
         self.owed = 0
 
-    def processes(self) -> list[subprocess.Popen[bytes]]:
-        return [proc for _, proc in self.idle]
+    def processes(self) -> list[Any]:
+        """The idle spares forked so far, then the template (what to kill at the end)."""
+        if self.template is None:
+            return []
+        forked = [self.template.forked(key, 0.0) for key in self.idle]
+        return [p for p in forked if p is not None] + [self.template.proc]
 
     def stop(self) -> None:
-        """End the idle spares (they hold connections to the store)."""
-        for _, proc in self.idle:
+        """End the idle spares (they hold connections to the store) and the template."""
+        for proc in self.processes():
             if proc.poll() is None:
                 kill_tree(proc.pid)
                 proc.wait()
@@ -169,22 +189,29 @@ def _taken() -> None:
             os.close(fd)
 
 
-def serve(key: str) -> None:
-    """Be a warm spare: import torch, the library and what the script imports (`preload`),
-    say so under ``KEY/ready``, wait for an assignment under ``KEY/assign`` (JSON: ``env``
-    and ``argv``), then become that worker by running its script here."""
+def prepare(script: str | None) -> None:
+    """The template's imports: torch, the library and what the script imports
+    (`preload`)."""
     # The point: imported before they are needed (DDP, FSDP and compile import
     # torch._dynamo on first use: ~1 s here).
     import torch._dynamo
     import torch.distributed  # noqa: F401
 
     import unbroken  # noqa: F401
+    from unbroken.run import worker  # noqa: F401
+
+    preload(script)
+
+
+def become(key: str) -> None:
+    """Be warm spare ``key`` (forked from the template, which made the imports): say so
+    under ``KEY/ready``, wait for an assignment under ``KEY/assign`` (JSON: ``env`` and
+    ``argv``), then become that worker by running its script here."""
     from unbroken.run import worker
 
     env = os.environ
     assigned = threading.Event()
     threading.Thread(target=_orphaned, args=(os.getppid(), assigned), daemon=True).start()
-    preload(env.pop(contract.SPARE_SCRIPT_ENV, None))
     try:
         store = listen.connect(env["MASTER_ADDR"], int(env["MASTER_PORT"]), 30.0)
         store.set(f"{key}/{contract.SPARE_READY}", str(os.getpid()))
@@ -208,7 +235,16 @@ def serve(key: str) -> None:
         runpy.run_path(sys.argv[0], run_name="__main__")
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The template (`unbroken.run.template`): the imports, then a fork per spare."""
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m unbroken.run.spare KEY")
-    serve(sys.argv[1])
+        sys.exit("usage: python -m unbroken.run.spare FD")
+    prepare(os.environ.pop(contract.SPARE_SCRIPT_ENV, None))
+    request = template.serve(int(sys.argv[1]))
+    if request is not None:  # a forked child
+        template.shed(request)
+        become(request["key"])
+
+
+if __name__ == "__main__":
+    main()

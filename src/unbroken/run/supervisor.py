@@ -14,9 +14,9 @@ restoring from its own shared memory, while the replacements pull theirs from pe
 replicas. Spares used, and the memory of a killed node, are replaced and freed once every
 rank has completed a step again: both take CPU the recovery needs.
 
-``--warm-spare`` keeps one standby process per node that has already imported torch
-(`unbroken.run.spare`). A spare is a standby machine, not part of any node: a node that
-is killed does not take the spares with it.
+``--warm-spare`` keeps one standby process per node, forked with the ranks from one
+template that imported torch once (`unbroken.run.spare`). A spare is a standby machine,
+not part of any node: a node that is killed does not take the spares with it.
 
 The heartbeat watchdog, event reading and kill-node requests are the shared `Watch`;
 this module supplies its hooks. Scope: one machine (simulated nodes included); the
@@ -43,7 +43,7 @@ from typing import Any
 from unbroken.run import contract, listen
 from unbroken.run.args import RunOptions
 from unbroken.run.nodes import NodeMemory
-from unbroken.run.procs import kill_tree
+from unbroken.run.procs import Process, kill_tree
 from unbroken.run.spare import Spares
 from unbroken.run.timeline import Timeline, say
 from unbroken.run.watch import Stale, Watch
@@ -59,7 +59,7 @@ class RankProcess:
     rank: int
     node: int
     generation: int
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Process | None = None
     done: bool = False  # exited 0: finished training
 
 
@@ -177,12 +177,12 @@ class Supervisor:
             f"in-process: {self.world} rank(s) on {self.nodes} node(s){spares}, heartbeat "
             f"timeout {self.timeout:g} s, faults: {faults}",
         )
+        if self.opts.ours.warm_spare:  # first: the ranks are forked from its template
+            self.spares = Spares(self.store, self.base_env, self.script_argv())
         for rank in range(self.world):
             self.spawn(rank, 0)
-        if self.opts.ours.warm_spare:
-            self.spares = Spares(self.store, self.base_env, self.script_argv())
-            for _ in range(self.nodes):
-                self.spares.start()
+        if self.spares is not None:
+            self.spares.start(self.nodes)
 
     # -- the drive loop's calls
 
@@ -294,7 +294,7 @@ class Supervisor:
         failed = self.reached("peer_failure", generation)
         return {*failed, *self.reached("init_failed", generation)}
 
-    def kill_hung(self, rank: int, proc: subprocess.Popen[bytes], after: str) -> None:
+    def kill_hung(self, rank: int, proc: Process, after: str) -> None:
         """SIGKILL ``rank``'s process, which did not answer an abort, and say so."""
         self.timeline.add(
             "hung",
