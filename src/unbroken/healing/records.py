@@ -162,12 +162,32 @@ def _check_header(header: Any, payload: int) -> None:
 
 def fingerprint(state: Mapping[str, Any]) -> str:
     """A cheap digest of the replicated entries: names, shapes, dtypes and a few evenly
-    spaced elements of every tensor (an optimizer step changes nearly all of them)."""
+    spaced elements of every tensor (an optimizer step changes nearly all of them). It
+    runs every step: the names and the sample views are made once for a set of tensors
+    and kept while each is the same object, at the same address, in the same layout."""
+    found = [(k, t, _local(t)) for k, t in _replicated_tensors(state)]
+    where = tuple((k, id(t), x.data_ptr(), x.shape, x.stride(), x.dtype) for k, t, x in found)
+    names, samples = _sampled.get(where) or _sample(where, found)
+    data = b"".join(bytes(byte_view(torch.cat(s).cpu())) for s in samples)
+    return checksum(memoryview(names + data))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# The views of the newest set of tensors only (a view keeps its storage alive).
+_sampled: dict[tuple[Any, ...], tuple[bytes, list[list[torch.Tensor]]]] = {}
+
+
+def _sample(
+    where: tuple[Any, ...], found: list[tuple[str, torch.Tensor, torch.Tensor]]
+) -> tuple[bytes, list[list[torch.Tensor]]]:
     names: list[str] = []
-    # One copy per dtype and device, not one per tensor: this runs every step.
+    # One copy per dtype and device, not one per tensor.
     samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for key, t in _replicated_tensors(state):
-        local = (t.to_local() if isinstance(t, DTensor) else t).detach()
+    for key, t, local in found:
+        local = local.detach()
         n = local.numel()
         stride = max(1, n // SAMPLES)
         names.append(f"{key}:{dtype_name(t.dtype)}:{list(t.shape)}")
@@ -176,8 +196,11 @@ def fingerprint(state: Mapping[str, Any]) -> str:
         else:
             sample = local.reshape(-1)[::stride][:SAMPLES]
         samples.setdefault((local.dtype, local.device), []).append(sample)
-    data = b"".join(bytes(byte_view(torch.cat(s).cpu())) for s in samples.values())
-    return checksum(memoryview("|".join(names).encode() + data))
+    made = "|".join(names).encode(), list(samples.values())
+    _sampled.clear()
+    if all(local.is_contiguous() for _, _, local in found):  # else a sample is a copy
+        _sampled[where] = made
+    return made
 
 
 def _replicated_tensors(state: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
