@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -53,7 +54,8 @@ def test_spares_are_forked_from_one_template_that_imports_once(tmp_path):
     script.write_text(
         "import os, sys\nimport heavy\nfrom xml.dom import minidom\n"
         "try:\n    import no_such_module_here\nexcept ImportError:\n    pass\n"
-        "open(sys.argv[1], 'w').write(os.environ['RANK'])\n"
+        "nvml = os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK', '')\n"  # the template's only
+        "open(sys.argv[1], 'w').write(os.environ['RANK'] + nvml)\n"
         "sys.exit(int(os.environ['RANK']))\n"
     )
     imports = tmp_path / "imports"
@@ -105,6 +107,28 @@ def test_a_killed_spare_and_a_killed_template_are_seen_as_ended():
         assert spares.take() is None, "no template: no spare (the caller starts one cold)"
     finally:
         spares.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_cold_spare_makes_its_own_imports_and_runs_its_rank(tmp_path):
+    """What a fork of a template whose imports initialised CUDA becomes (`spare._cold`):
+    the same process, a fresh interpreter that imports for itself, then a spare."""
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(os.environ['RANK'])\n")
+    store = listen.store()
+    env = _env(store, **{contract.SPARE_SCRIPT_ENV: json.dumps([str(script), False])})
+    cold = subprocess.Popen(
+        [sys.executable, "-m", "unbroken.run.spare", "--cold", "spare/c"], env=env
+    )
+    try:
+        assert _ready(store, "spare/c") == cold.pid
+        Spares(store, dict).assign(
+            "spare/c", {"RANK": "5"}, [str(script), str(tmp_path / "out")], False
+        )
+        assert cold.wait(timeout=45) == 0
+        assert (tmp_path / "out").read_text() == "5"
+    finally:
+        cold.kill()
 
 
 @pytest.mark.timeout(60)

@@ -236,14 +236,35 @@ def become(key: str) -> None:
 
 
 def main() -> None:
-    """The template (`unbroken.run.template`): the imports, then a fork per spare."""
+    """The template (`unbroken.run.template`): the imports, then a fork per spare. With
+    ``--cold KEY``: one spare that makes the imports itself (`_cold`)."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--cold":
+        prepare(os.environ.pop(contract.SPARE_SCRIPT_ENV, None))
+        become(sys.argv[2])
+        return
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m unbroken.run.spare FD")
-    prepare(os.environ.pop(contract.SPARE_SCRIPT_ENV, None))
+        sys.exit("usage: python -m unbroken.run.spare FD | --cold KEY")
+    script = os.environ.pop(contract.SPARE_SCRIPT_ENV, None)
+    prepare(script)
     request = template.serve(int(sys.argv[1]))
     if request is not None:  # a forked child
         template.shed(request)
+        _cold(request["key"], script)
         become(request["key"])
+
+
+def _cold(key: str, script: str | None) -> None:
+    """If the template's imports initialised CUDA (a library that called
+    ``torch.cuda.is_available()`` with ``PYTORCH_NVML_BASED_CUDA_CHECK`` unset, or made a
+    tensor there), no fork of it may use CUDA: torch marks such a fork bad. Become a fresh
+    interpreter then, the same process for the supervisor, that imports for itself."""
+    import torch
+
+    if torch.cuda._is_in_bad_fork():
+        if script is not None:
+            os.environ[contract.SPARE_SCRIPT_ENV] = script
+        cmd = [sys.executable, "-u", "-m", "unbroken.run.spare", "--cold", key]
+        os.execv(sys.executable, cmd)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ class Template:
     def __init__(self, env: dict[str, str]) -> None:
         read, write = os.pipe()
         cmd = [sys.executable, "-u", "-m", "unbroken.run.spare", str(write)]
+        # torch.cuda.is_available() by NVML, which leaves the forks free to use CUDA.
+        env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.PIPE, pass_fds=(write,), start_new_session=True
         )
