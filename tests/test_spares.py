@@ -60,7 +60,9 @@ def test_spares_are_forked_from_one_template_that_imports_once(tmp_path):
     )
     imports = tmp_path / "imports"
     store = listen.store()
-    spares = Spares(store, lambda: _env(store, IMPORTS=str(imports)), ([str(script)], False))
+    # "0": the rank's own value (lightning_fabric sets "1" in this process at import).
+    ranks_env = {"IMPORTS": str(imports), "PYTORCH_NVML_BASED_CUDA_CHECK": "0"}
+    spares = Spares(store, lambda: _env(store, **ranks_env), ([str(script)], False))
     spares.start(2)
     try:
         pids = [_ready(store, key) for key in spares.idle]
@@ -79,7 +81,7 @@ def test_spares_are_forked_from_one_template_that_imports_once(tmp_path):
             argv = [str(script), str(tmp_path / f"out{rank}")]
             spares.assign(t.key, {"RANK": str(rank)}, argv, False)
         assert [t.proc.wait(timeout=45) for t in taken if t] == [0, 1, 2]
-        assert [(tmp_path / f"out{r}").read_text() for r in range(3)] == ["0", "1", "2"]
+        assert [(tmp_path / f"out{r}").read_text() for r in range(3)] == ["00", "10", "20"]
         assert imports.read_text().split() == [str(template)], "imported again"
     finally:
         spares.stop()

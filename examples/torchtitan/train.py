@@ -113,7 +113,9 @@ def train() -> None:
     trainer.train()  # restores first: healed from a live replica after a failure
     trainer.close()  # only after success: a failed generation is abandoned, not closed
     rank = dist.get_rank()
-    print(f"rank {rank}: step {trainer.step} params {digest(trainer.model_parts[0])}")
+    # One write with its newline: ranks printing at once under `python -u` do not interleave.
+    line = f"rank {rank}: step {trainer.step} params {digest(trainer.model_parts[0])}\n"
+    sys.stdout.write(line)
 
 
 init_logger()
