@@ -26,7 +26,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from unbroken.run import contract, listen, template
-from unbroken.run.procs import kill_tree
+from unbroken.run.procs import Process, kill_tree
 from unbroken.run.template import Forked, Template
 
 FORK_WAIT_S = 120.0  # longest wait for the template's imports before a cold start instead
@@ -105,7 +105,7 @@ class Spares:
         self.start(self.owed)
         self.owed = 0
 
-    def processes(self) -> list[Any]:
+    def processes(self) -> list[Process]:
         """The idle spares forked so far, then the template (what to kill at the end)."""
         if self.template is None:
             return []
