@@ -11,11 +11,11 @@ restore's metadata are made. The phases, what runs and what is simulated:
 
 - detection, abort, generation start (bench/scale_protocol.py): a real `TCPStore` and
   `Coordinator`, ``n/8`` `NodeAgent`s running their own store code, and the store
-  traffic of ``n`` ranks' `in_process`, all threads; simulated: the node's death (no
-  worker process, no training);
+  traffic of ``n`` ranks' `in_process`, all threads, the agents and ranks in host
+  processes of 16 nodes (bench/scale_hosts.py); simulated: the node's death (no worker
+  process, no training);
 - group creation (bench/scale_groups.py): the generation's two lazy gloo groups, real
-  `ProcessGroupGloo`s on real store connections, ``n`` threads; projected over 2,304
-  ranks (file descriptors);
+  `ProcessGroupGloo`s on real store connections, ``n`` threads in the same hosts;
 - step agreement, heal plan, save plan, manifest validation (bench/scale_metadata.py):
   `step_choice._in_memory`, `healing.plan.plan` on rank 0 with every rank's rows; the
   save's `saving.planning.Planner` on rank 0 (its time beside the phase's) and a
@@ -39,12 +39,14 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see scale_protocol.py
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # one warning per connection here
 
 import scale_groups
+import scale_hosts
 import scale_metadata
 import scale_protocol
 from common import new_table, print_result, show
@@ -60,6 +62,13 @@ PHASES = (
     "manifest validation",
 )
 SIZES = (64, 256, 1024, 2304, 4096)
+# One rank's own cost, fitted beside its phase's: the whole save's plan (O(n) once, on
+# rank 0), and one rank's gloo constructor made alone (what each rank of a cluster pays
+# at once, where the harness's time is every rank's on 2 cores).
+BESIDE: dict[str, tuple[str, Callable[[dict[str, Any]], float]]] = {
+    "save plan": ("rank 0 plans", lambda r: r["planner_s"]),
+    "group creation": ("a rank's alone", lambda r: r["alone_s"]),
+}
 SMOKE = (16, 64)
 # n log n's slope on log-log between 256 and 4,096 ranks is 1 + 1/ln(1024) ~ 1.14; a
 # phase whose fitted slope is above this margin grows faster than n log n.
@@ -72,7 +81,8 @@ def measure(world: int, tensors: int, protocol_max: int) -> dict[str, dict[str, 
     if world <= protocol_max:
         protocol = scale_protocol.run(world)
         for name in scale_protocol.PHASES:
-            out[name] = {**protocol[name], "note": f"{world // 8 + 1} agents, {world} ranks"}
+            note = f"{world // 8 + 1} agents, {world} ranks, host processes: {protocol['hosts']}"
+            out[name] = {**protocol[name], "note": note}
         out["detection"]["idle_requests_per_s"] = protocol["idle_requests_per_s"]
     if world <= scale_groups.MAX_RANKS:
         out["group creation"] = scale_groups.measure(world)
@@ -95,24 +105,21 @@ def slope(points: list[tuple[int, float]]) -> tuple[float, float] | None:
 Runs = dict[int, dict[str, dict[str, Any]]]  # ranks -> phase -> its row
 
 
-def fit(runs: Runs, extra: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Per phase, the growth of its time and requests over the measured sizes (plus
-    ``extra``: group creation's calibration sizes), and the projection of every size
-    it did not run at."""
+def fit(runs: Runs) -> dict[str, Any]:
+    """Per phase, the growth of its time and requests over the measured sizes, and the
+    projection of every size it did not run at."""
     growth: dict[str, Any] = {}
     for phase in PHASES:
         measured = {n: r[phase] for n, r in runs.items() if phase in r}
-        if phase == "group creation":
-            measured = {**extra, **measured}
         lines = {
             what: slope([(n, float(r[what])) for n, r in measured.items()])
             for what in ("s", "requests")
         }
         growth[phase] = {what: None if line is None else round(line[0], 3)
                          for what, line in lines.items()}  # fmt: skip
-        if phase == "save plan":  # and the planning rank's own cost (O(n) on rank 0)
-            line = slope([(n, r["planner_s"]) for n, r in measured.items()])
-            growth[phase]["planner_s"] = None if line is None else round(line[0], 3)
+        if phase in BESIDE:  # and one rank's own cost beside the phase's
+            line = slope([(n, BESIDE[phase][1](r)) for n, r in measured.items()])
+            growth[phase]["beside"] = None if line is None else round(line[0], 3)
         for n, r in runs.items():
             if phase in r:
                 continue
@@ -153,8 +160,8 @@ def report(runs: Runs, growth: dict[str, Any]) -> None:
             phase, *("-" if g[w] is None else f"{g[w]:.2f}" for w in ("s", "requests")),
             "yes" if any(k > NLOGN_SLOPE for k in ks) else "no",
         )  # fmt: skip
-        if (k := g.get("planner_s")) is not None:  # the whole job's plan, on one rank
-            grow.add_row(f"{phase}: rank 0 plans", f"{k:.2f}", "-",
+        if (k := g.get("beside")) is not None:
+            grow.add_row(f"{phase}: {BESIDE[phase][0]}", f"{k:.2f}", "-",
                          "yes" if k > NLOGN_SLOPE else "no")  # fmt: skip
     show(160, table, grow)
 
@@ -186,29 +193,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default=",".join(map(str, SIZES)), help="world sizes")
     parser.add_argument("--tensors", type=int, default=100, help="per rank, for the save")
-    parser.add_argument("--protocol-max", type=int, default=2304,
-                        help="largest size the recovery protocol runs at: at 4,096 its "
-                        "4,600 threads starve the coordinator of the GIL here")  # fmt: skip
+    parser.add_argument("--protocol-max", type=int, default=max(SIZES),
+                        help="largest size the recovery protocol runs at (larger: "
+                        "projected)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help=f"CI: {SMOKE}, 10 tensors")
     parser.add_argument("--plot", metavar="PNG", help="phase time against ranks, log-log")
     args = parser.parse_args()
     sizes = list(SMOKE) if args.smoke else [int(n) for n in args.ranks.split(",")]
     tensors = 10 if args.smoke else args.tensors
+    if args.smoke:  # two host processes at 64 ranks: the harness's hand-offs between them
+        scale_hosts.HOST_RANKS = 32
     if any(n < 16 or n % 8 for n in sizes) or tensors < 1:
         parser.error("--ranks: multiples of 8 (ranks per node), at least 16")
     started = time.monotonic()
     runs = {n: measure(n, tensors, args.protocol_max) for n in sorted(sizes)}
-    small = [n for n in runs if n <= scale_groups.MAX_RANKS]
-    calibration = [n for n in scale_groups.CALIBRATION if n not in runs] if len(small) < 2 else []
-    extra = {n: scale_groups.measure(n) for n in calibration}
-    growth = fit(runs, extra)
+    growth = fit(runs)
     report(runs, growth)
     if args.plot:
         plot(runs, args.plot)
     print_result({
         "ranks_per_node": scale_protocol.LOCAL, "tensors": tensors, "phases": list(PHASES),
         "runs": {str(n): r for n, r in runs.items()},
-        "group_creation_calibration": {str(n): r for n, r in extra.items()},
         "growth": growth, "nlogn_slope": NLOGN_SLOPE,
         "wall_s": round(time.monotonic() - started, 1),
     })  # fmt: skip

@@ -4,13 +4,14 @@ creates at each generation under ``unbroken run --in-process``, the generation's
 default group (`unbroken.run.inprocess._join`) and the Checkpointer's
 (`unbroken.job.comm.Comm`), both through `unbroken.job.comm.gloo_group`.
 
-Each is a real `ProcessGroupGloo`, created by ``n`` threads of this process at once, each
-on a store connection of its own (a real `TCPStore`) under the generation's prefix,
-through a store that counts the requests gloo makes. The groups connect lazily (gloo's
+Each is a real `ProcessGroupGloo`, created by ``n`` threads at once (in the host
+processes of bench/scale_hosts.py, 128 ranks each), each on a store connection of its
+own (a real `TCPStore`) under the generation's prefix, through a store that counts the
+requests gloo makes. The groups connect lazily (gloo's
 ``TORCH_GLOO_LAZY_INIT``, as `gloo_group` makes them): each rank publishes its listener's
 address and reads those of the peers it first exchanges with, not the eager mesh's
-``n - 1`` (which needed ``n * (n - 1)`` connections, two descriptors each in one
-process, and stopped at 64 ranks under this machine's 20,000 descriptors). What is left
+``n - 1`` (which needed ``n * (n - 1)`` connections, two descriptors each, and stopped
+at 64 ranks under this machine's 20,000 descriptors per process). What is left
 out: `init_process_group`'s Python bookkeeping (no store request), and the listener
 exchange `gloo_group` adds under in-process recovery: one all-gather on the new group,
 a transport cost like the other exchanges' (bench/scale_metadata.py), not timed here.
@@ -24,18 +25,20 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch.distributed as dist
 
+import scale_hosts
 from unbroken.run import contract, listen
 
-# Per rank, 3 descriptors in this process (listener, store client, the store's end of it)
-# and gloo's own: 4,096 ranks pass the 20,000 this machine allows.
+LOCAL = 8  # ranks per node
+# Beyond it: projected. At 2,304 ranks the creations took 20 to 85 s per host process
+# where 128 of them take 0.5 s alone (their CPU), and the run one to two minutes: this
+# sandbox slows down under thousands of threads (gloo starts its own for each group).
 MAX_RANKS = 2304
-CALIBRATION = (16, 32)  # measured too where the harness runs smaller sizes, for the fit
 TIMEOUT = timedelta(seconds=120)
-_KEPT: list[Any] = []
 
 
 class Counting(dist.Store):
@@ -93,55 +96,54 @@ class Counting(dist.Store):
         return False
 
 
-def _groups(world: int, port: int, count: list[int]) -> float:
-    """Both groups, by every rank at once; seconds from the start to the last rank."""
-    stores: list[Any] = [None] * world
+NAMES = ("default", "checkpointer")
+
+
+def host(conn: Connection, index: int, world: int, port: int, ranks: list[int]) -> None:
+    """One host process (bench/scale_hosts.py): ``ranks`` connect to the store, then
+    create each group when told to, as threads; what each took and the requests made."""
+    stores: dict[int, Any] = {}
 
     def connect(rank: int) -> None:
         stores[rank] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
 
-    _all(world, connect)  # not timed: each rank's connection is made at its start
+    _all(ranks, connect)  # not timed: each rank's connection is made at its start
+    conn.send(("connected", index))
     prefix = f"{contract.GENERATION_PREFIX}1"
-    seconds = 0.0
-    for name in ("default", "checkpointer"):
-        made: list[Any] = [None] * world
+    count: list[int] = []
+    for name in NAMES:
+        conn.recv()  # go
+        made: dict[int, Any] = {}
         errors: list[str] = []
+        cpus: list[float] = []  # each rank's constructor, its thread's CPU
 
-        def create(
-            rank: int, name: str = name, made: list[Any] = made, errors: list[str] = errors
-        ) -> None:
+        def create(rank: int, name: str = name, made: dict[int, Any] = made,
+                   errors: list[str] = errors, cpus: list[float] = cpus) -> None:  # fmt: skip
             try:
                 # Kept alive here: the C++ side holds no Python reference to its override.
                 counting = Counting(stores[rank], count)
                 store = dist.PrefixStore(f"{prefix}/{name}", counting)
-                group = dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
-                made[rank] = (counting, group)
+                cpu = time.thread_time()
+                made[rank] = (counting, dist.ProcessGroupGloo(store, rank, world, TIMEOUT))
+                cpus.append(time.thread_time() - cpu)
             except Exception as e:
                 errors.append(f"rank {rank}: {e}")
 
-        start = time.perf_counter()
         os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # read as each group is made
-        try:
-            _all(world, create)
-        finally:
-            del os.environ["TORCH_GLOO_LAZY_INIT"]
-        seconds += time.perf_counter() - start
-        if errors:
-            raise RuntimeError(f"group creation, {world} ranks: {errors[:3]}")
-
-        # Its sockets closed, so the next group fits in the descriptors; in parallel: a
-        # group's destructor waits on its connections (seconds for 64 ranks, one by one).
-        def drop(rank: int, made: list[Any] = made) -> None:
-            made[rank] = None
-
-        _all(world, drop)
+        start = time.monotonic()
+        _all(ranks, create)
+        conn.send(("made", (start, time.monotonic(), cpus)) if not errors else ("error", errors))
+        del os.environ["TORCH_GLOO_LAZY_INIT"]
+        # Dropped in parallel: a group's destructor waits on its connections.
+        _all(ranks, made.pop)
         gc.collect()
-    _KEPT.extend(stores)  # closing a client connection takes ~0.3 s here: at exit, once
-    return seconds
+        conn.send(("dropped", index))
+    conn.send(("count", len(count)))
+    conn.recv()  # stop: the connections close as the process exits, ~0.3 s each here
 
 
-def _all(world: int, fn: Callable[[int], None]) -> None:
-    threads = [threading.Thread(target=fn, args=(r,)) for r in range(world)]
+def _all(ranks: list[int], fn: Callable[[int], Any]) -> None:
+    threads = [threading.Thread(target=fn, args=(r,)) for r in ranks]
     for t in threads:
         t.start()
     for t in threads:
@@ -149,8 +151,47 @@ def _all(world: int, fn: Callable[[int], None]) -> None:
 
 
 def measure(world: int) -> dict[str, Any]:
-    """Both groups at ``world`` ranks: seconds and store requests."""
+    """Both groups at ``world`` ranks: seconds (from the first rank's start to the last
+    rank's end, per group) and store requests."""
     master = listen.store()
-    count: list[int] = []
-    seconds = _groups(world, master.port, count)
-    return {"s": seconds, "requests": len(count), "note": "2 lazy gloo groups, threads"}
+    nodes = scale_hosts.split(world, LOCAL)
+    ranks = [[r for n in ns for r in range(n * LOCAL, (n + 1) * LOCAL)] for ns in nodes]
+    hosts = scale_hosts.Hosts(host, len(ranks), lambda i: (world, master.port, ranks[i]))
+    seconds, cpus = 0.0, []  # cpus: every rank's, both groups
+    try:
+        hosts.gather("connected")
+        for _ in NAMES:
+            for i in range(len(ranks)):
+                hosts.send(i, "go")
+            spans = hosts.gather("made")
+            seconds += max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+            cpus += [cpu for _, _, each in spans for cpu in each]
+            hosts.gather("dropped")
+        requests = sum(hosts.gather("count"))
+        for i in range(len(ranks)):
+            hosts.send(i, "stop")
+    finally:
+        hosts.close()
+    cpus.sort()
+    alone = _alone(world, master.port)
+    note = f"2 lazy gloo groups, threads, host processes: {len(ranks)}; a rank's alone "
+    note += f"{alone * 1e3:.1f} ms (here: median {cpus[len(cpus) // 2] * 1e3:.1f} ms CPU)"
+    return {"s": seconds, "requests": requests, "note": note, "alone_s": alone,
+            "rank_cpu_s": {"median": cpus[len(cpus) // 2], "max": cpus[-1]}}  # fmt: skip
+
+
+def _alone(world: int, port: int, repeats: int = 5) -> float:
+    """One rank's group at ``world`` ranks, made with nothing else running (as each rank
+    of a cluster makes its own, at once): wall seconds, best of ``repeats``."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    best = float("inf")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        for i in range(repeats):
+            start = time.perf_counter()
+            group = dist.ProcessGroupGloo(dist.PrefixStore(f"alone-{i}", store), 0, world, TIMEOUT)
+            best = min(best, time.perf_counter() - start)
+            del group
+    finally:
+        del os.environ["TORCH_GLOO_LAZY_INIT"]
+    return best

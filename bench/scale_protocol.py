@@ -3,8 +3,9 @@
 from the first worker's report to every rank in the next generation, on a real
 `TCPStore` (`unbroken.run.listen.store`) and a real `Coordinator`.
 
-What runs, all in this process, one thread per party, every party on connections of its
-own, as on a cluster:
+What runs, one thread per party, every party on connections of its own, as on a cluster;
+the store and the coordinator in this process, the nodes' agents and ranks in host
+processes of 16 nodes each (bench/scale_hosts.py):
 
 - the coordinator: `unbroken.run.coordinator.Coordinator` with its `Listener`, polled
   every `coordinator.POLL_S` as `coordinator.serve` does;
@@ -34,10 +35,7 @@ counted too), with its time and its party; phases are cut at:
   started (read the generation).
 
 On this 2-core machine the parties share the CPUs that a cluster gives each node: times
-are upper bounds, store requests are exact. At 4,096 ranks (about 4,600 threads) the
-coordinator's thread waits so long for the GIL between its requests that the recovery
-does not finish within `DEADLINE_S`: bench/scale.py runs the protocol up to 2,304
-ranks by default and projects 4,096.
+are upper bounds, store requests are exact.
 """
 
 from __future__ import annotations
@@ -53,11 +51,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
 
+import scale_hosts
 from unbroken.run import cli, contract, coordinator, inprocess, listen, silence, watcher
 from unbroken.run.agent import NodeAgent
 from unbroken.run.listen import LOOPBACK
@@ -111,7 +111,7 @@ class Counted:
 
 
 @contextlib.contextmanager
-def counting(log: Log) -> Iterator[None]:
+def counting(log: Log, default: str) -> Iterator[None]:
     """Client connections opened meanwhile (``dist.TCPStore(..., is_master=False)``) are
     `Counted`, for the party of the thread that opens them (the agents' own threads by
     their names)."""
@@ -119,9 +119,9 @@ def counting(log: Log) -> Iterator[None]:
     def connect(*args: Any, **kwargs: Any) -> Any:
         store = _RealStore(*args, **kwargs)
         party = getattr(_party, "name", None)
-        if party is None:
+        if party is None:  # a thread the party's own code started (its name: unbroken-*)
             name = threading.current_thread().name
-            party = "agents" if name.startswith("unbroken") else f"? {name}"
+            party = default if name.startswith("unbroken") else f"? {name}"
         return Counted(store, party, log)
 
     dist.TCPStore = connect  # type: ignore[misc,assignment]
@@ -145,7 +145,6 @@ class Sim:
     def __init__(self, world: int, port: int) -> None:
         self.world, self.port = world, port
         self.stop = threading.Event()
-        self.dead = threading.Event()  # the lost node is gone
         self.ready = 0  # ranks waiting on the abort key
         self.woke: dict[int, float] = {}
         self.moved: dict[int, float] = {}  # healthy ranks: saw the next generation
@@ -244,15 +243,58 @@ class SimAgent(NodeAgent):
         self._stop_beating()
 
 
-def _wait(what: str, done: Callable[[], bool], sim: Sim, coord: coordinator.Coordinator) -> None:
+def host(conn: Connection, index: int, world: int, port: int, nodes: list[int],
+         replacement: bool) -> None:  # fmt: skip
+    """One host process (bench/scale_hosts.py): the agents of ``nodes`` and their ranks,
+    plus the lost node's replacement agent if ``replacement``, until told to stop; then
+    what its parties did."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(port)
+    log, sim = Log(), Sim(world, port)
+    with counting(log, "agents"):
+        agents = {n: SimAgent(sim, n) for n in nodes}
+        spare = SimAgent(sim, LOST_NODE) if replacement else None
+        drivers = [as_party("agents", a.drive) for a in agents.values()]
+        for t in drivers:
+            t.start()
+        ours = [r for r in range(world) if r // LOCAL in agents]
+        healthy = len([r for r in ours if r // LOCAL != LOST_NODE])
+        _until(lambda: sim.ready == len(ours), sim)
+        conn.send(("ready", index))
+        told, done = "", False
+        while told != "stop":
+            if sim.errors:
+                conn.send(("error", sim.errors[:3]))
+                return
+            if conn.poll(0.01):
+                told = conn.recv()
+                if told == "replace" and spare is not None:
+                    drivers.append(as_party("agents", spare.drive))
+                    drivers[-1].start()
+                elif told == "kill":
+                    agents[LOST_NODE].killed.set()
+                    agents[LOST_NODE].stopped.set()  # beats no more, answers no ping
+                    conn.send(("killed", index))
+            if (
+                not done
+                and len(sim.moved) == healthy
+                and len(sim.started) == (LOCAL if spare else 0)
+            ):
+                conn.send(("done", index))
+                done = True
+        sim.stop.set()
+        for t in drivers + sim.threads:
+            t.join(timeout=30)
+    live = [a.id for a in agents.values() if a.slot != LOST_NODE]
+    conn.send(("result", (log.requests, sim.woke, sim.moved, sim.started, sim.settled, live)))
+
+
+def _until(done: Callable[[], bool], sim: Sim) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not done():
         if sim.errors or time.monotonic() > deadline:
-            counts = f"{sim.ready} ready, {len(sim.woke)} woke, {len(sim.moved)} moved, "
-            counts += f"{len(sim.started)} started, {len(sim.settled)} settled"
-            raise RuntimeError(f"{what}: {sim.errors[:3] or 'timed out'} ({counts})")
-        coord.poll()
-        time.sleep(coordinator.POLL_S)
+            counts = f"{sim.ready} ready, {len(sim.woke)} woke, {len(sim.moved)} moved"
+            raise RuntimeError(f"starting: {sim.errors[:3] or 'timed out'} ({counts})")
+        time.sleep(0.01)
 
 
 def run(world: int) -> dict[str, Any]:
@@ -261,59 +303,81 @@ def run(world: int) -> dict[str, Any]:
     log = Log()
     raw = listen.store()
     raw.add(contract.GENERATION_KEY, 0)
-    sim = Sim(world, raw.port)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(raw.port)
-    with counting(log):
+    groups = scale_hosts.split(world, LOCAL)
+    last = len(groups) - 1  # the replacement's host; the lost node is in host 0's
+    with counting(log, "coordinator"):
         _party.name = "coordinator"
-        # Thousands of agent threads share 2 cores here: a beat can stall for seconds, which
-        # the silence rule would take for a stopped machine. Detection here is by report.
+        # Thousands of agents share 2 cores here: a beat can stall for seconds, which the
+        # silence rule would take for a stopped machine. Detection here is by report.
         quiet = silence.Silence(ping_after_s=600.0)
         coord = coordinator.Coordinator(
             _RealStore("127.0.0.1", raw.port, is_master=False), 600.0, silence=quiet
         )
         coord.store = Counted(coord.store, "coordinator", log)
         coord.news = Listener(LOOPBACK, raw.port)
-        agents = [SimAgent(sim, n) for n in range(world // LOCAL)] + [SimAgent(sim, LOST_NODE)]
-        drivers = [as_party("agents", a.drive) for a in agents]
-        for t in drivers[:-1]:
-            t.start()
-        _wait("starting", lambda: sim.ready == world, sim, coord)
-        drivers[-1].start()  # the replacement: it waits for the lost node's slot
-        _wait("idle", _after(IDLE_S), sim, coord)
-        sim.dead.set()
-        agents[LOST_NODE].killed.set()
-        agents[LOST_NODE].stopped.set()  # a dead machine beats no more, answers no ping
-        reporter = Counted(_RealStore("127.0.0.1", raw.port, is_master=False), "ranks", log)
-        t0 = time.monotonic()
-        for rank in (LOST_NODE * LOCAL - 1, (LOST_NODE + 1) * LOCAL % world):
-            inprocess._report(reporter, 0, rank)
-        healthy = [r for r in range(world) if r // LOCAL != LOST_NODE]
-        _wait(
-            "recovering",
-            lambda: len(sim.moved) == len(healthy) and len(sim.started) == LOCAL,
-            sim,
-            coord,
+        poll = _paced(coord.poll)  # as `coordinator.serve` polls: every POLL_S
+        hosts = scale_hosts.Hosts(
+            host, len(groups), lambda i: (world, raw.port, groups[i], i == last)
         )
-        sim.stop.set()
-        for t in drivers + sim.threads:
-            t.join(timeout=30)
+        try:
+            hosts.gather("ready", poll)
+            hosts.send(last, "replace")  # it waits for the lost node's slot
+            _idle(IDLE_S, poll)
+            hosts.send(0, "kill")
+            hosts.gather("killed", poll, only=[0])
+            reporter = Counted(_RealStore("127.0.0.1", raw.port, is_master=False), "ranks", log)
+            t0 = time.monotonic()
+            for rank in (LOST_NODE * LOCAL - 1, (LOST_NODE + 1) * LOCAL % world):
+                inprocess._report(reporter, 0, rank)
+            hosts.gather("done", poll)
+            for i in range(len(groups)):
+                hosts.send(i, "stop")
+            results = hosts.gather("result")
+        finally:
+            hosts.close()
         coord.news.stop(raw)
+    woke, moved, started, settled, live = _merge(log, results)
     detect = min(log.marks("compare_set", f"{contract.ABORT_KEY}-0"))
-    live = [a.id for a in agents[:-1] if a.slot != LOST_NODE]
-    aborted = max([sim.woke[r] for r in healthy] + [sim.settled[a] for a in live])
-    started = max(list(sim.moved.values()) + list(sim.started.values()))
-    out = _phases(log, [t0, detect, aborted, started], t0, world)
-    out["abort"]["last_rank_woke_s"] = max(sim.woke[r] for r in healthy) - detect
-    out["abort"]["last_agent_settled_s"] = max(sim.settled[a] for a in live) - detect
+    healthy = [r for r in range(world) if r // LOCAL != LOST_NODE]
+    aborted = max([woke[r] for r in healthy] + [settled[a] for a in live])
+    out = _phases(log, [t0, detect, aborted, max([*moved.values(), *started.values()])], t0)
+    out["abort"]["last_rank_woke_s"] = max(woke[r] for r in healthy) - detect
+    out["abort"]["last_agent_settled_s"] = max(settled[a] for a in live) - detect
+    out["threads"] = world + 4 * (world // LOCAL + 1)
+    out["hosts"] = len(groups)
     return out
 
 
-def _after(seconds: float) -> Callable[[], bool]:
+def _merge(log: Log, results: list[Any]) -> list[Any]:
+    """The hosts' requests into ``log``; their parties' marks joined."""
+    merged: list[Any] = [{}, {}, {}, {}, []]
+    for requests, *marks in results:
+        log.requests.extend(requests)
+        for into, mark in zip(merged, marks, strict=True):
+            into.update(mark) if isinstance(into, dict) else into.extend(mark)
+    return merged
+
+
+def _paced(poll: Callable[[], object]) -> Callable[[], None]:
+    last = -math.inf
+
+    def paced() -> None:
+        nonlocal last
+        if time.monotonic() - last >= coordinator.POLL_S:
+            poll()
+            last = time.monotonic()
+
+    return paced
+
+
+def _idle(seconds: float, poll: Callable[[], object]) -> None:
     end = time.monotonic() + seconds
-    return lambda: time.monotonic() >= end
+    while time.monotonic() < end:
+        poll()
+        time.sleep(0.01)
 
 
-def _phases(log: Log, bounds: list[float], t0: float, world: int) -> dict[str, Any]:
+def _phases(log: Log, bounds: list[float], t0: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (a, b) in zip(PHASES, itertools.pairwise(bounds), strict=True):
         parties: dict[str, int] = {}
@@ -323,7 +387,6 @@ def _phases(log: Log, bounds: list[float], t0: float, world: int) -> dict[str, A
         out[name] = {"s": b - a, "requests": sum(parties.values()), "by_party": parties}
     idle = [p for s, _, p, _, _ in log.requests if t0 - IDLE_S <= s < t0]
     out["idle_requests_per_s"] = len(idle) / IDLE_S
-    out["threads"] = world + 4 * (world // LOCAL + 1)
     return out
 
 

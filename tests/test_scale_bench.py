@@ -39,6 +39,14 @@ def test_every_phase_at_every_size(result):
     assert set(result["growth"]) == set(result["phases"])
 
 
+def test_the_largest_smoke_size_runs_in_two_host_processes(result):
+    runs = result["runs"]
+    largest = max(runs, key=int)
+    for phase in (*PROTOCOL, "group creation"):
+        assert "host processes: 2" in runs[largest][phase]["note"], runs[largest][phase]
+    assert runs[min(runs, key=int)]["detection"]["note"].endswith("host processes: 1")
+
+
 def test_store_requests_are_counted(result):
     for n, run in result["runs"].items():
         world = int(n)
