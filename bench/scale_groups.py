@@ -33,7 +33,6 @@ import torch.distributed as dist
 import scale_hosts
 from unbroken.run import contract, listen
 
-LOCAL = 8  # ranks per node
 # Beyond it: projected. At 2,304 ranks the creations took 20 to 85 s per host process
 # where 128 of them take 0.5 s alone (their CPU), and the run one to two minutes: this
 # sandbox slows down under thousands of threads (gloo starts its own for each group).
@@ -115,24 +114,21 @@ def host(conn: Connection, index: int, world: int, port: int, ranks: list[int]) 
         conn.recv()  # go
         made: dict[int, Any] = {}
         errors: list[str] = []
-        cpus: list[float] = []  # each rank's constructor, its thread's CPU
 
         def create(rank: int, name: str = name, made: dict[int, Any] = made,
-                   errors: list[str] = errors, cpus: list[float] = cpus) -> None:  # fmt: skip
+                   errors: list[str] = errors) -> None:  # fmt: skip
             try:
                 # Kept alive here: the C++ side holds no Python reference to its override.
                 counting = Counting(stores[rank], count)
                 store = dist.PrefixStore(f"{prefix}/{name}", counting)
-                cpu = time.thread_time()
                 made[rank] = (counting, dist.ProcessGroupGloo(store, rank, world, TIMEOUT))
-                cpus.append(time.thread_time() - cpu)
             except Exception as e:
                 errors.append(f"rank {rank}: {e}")
 
         os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # read as each group is made
         start = time.monotonic()
         _all(ranks, create)
-        conn.send(("made", (start, time.monotonic(), cpus)) if not errors else ("error", errors))
+        conn.send(("made", (start, time.monotonic())) if not errors else ("error", errors))
         del os.environ["TORCH_GLOO_LAZY_INIT"]
         # Dropped in parallel: a group's destructor waits on its connections.
         _all(ranks, made.pop)
@@ -154,30 +150,26 @@ def measure(world: int) -> dict[str, Any]:
     """Both groups at ``world`` ranks: seconds (from the first rank's start to the last
     rank's end, per group) and store requests."""
     master = listen.store()
-    nodes = scale_hosts.split(world, LOCAL)
-    ranks = [[r for n in ns for r in range(n * LOCAL, (n + 1) * LOCAL)] for ns in nodes]
+    ranks = [scale_hosts.ranks(nodes) for nodes in scale_hosts.split(world)]
     hosts = scale_hosts.Hosts(host, len(ranks), lambda i: (world, master.port, ranks[i]))
-    seconds, cpus = 0.0, []  # cpus: every rank's, both groups
+    seconds = 0.0
     try:
         hosts.gather("connected")
         for _ in NAMES:
             for i in range(len(ranks)):
                 hosts.send(i, "go")
             spans = hosts.gather("made")
-            seconds += max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
-            cpus += [cpu for _, _, each in spans for cpu in each]
+            seconds += max(end for _, end in spans) - min(start for start, _ in spans)
             hosts.gather("dropped")
         requests = sum(hosts.gather("count"))
         for i in range(len(ranks)):
             hosts.send(i, "stop")
     finally:
         hosts.close()
-    cpus.sort()
     alone = _alone(world, master.port)
     note = f"2 lazy gloo groups, threads, host processes: {len(ranks)}; a rank's alone "
-    note += f"{alone * 1e3:.1f} ms (here: median {cpus[len(cpus) // 2] * 1e3:.1f} ms CPU)"
-    return {"s": seconds, "requests": requests, "note": note, "alone_s": alone,
-            "rank_cpu_s": {"median": cpus[len(cpus) // 2], "max": cpus[-1]}}  # fmt: skip
+    note += f"{alone * 1e3:.1f} ms"
+    return {"s": seconds, "requests": requests, "note": note, "alone_s": alone}
 
 
 def _alone(world: int, port: int, repeats: int = 5) -> float:

@@ -27,17 +27,23 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+LOCAL = 8  # ranks per node, in every part of the harness
 HOST_RANKS = 128  # 16 nodes of 8 per process: 18 processes at 2,304 ranks, 32 at 4,096
 DEADLINE_S = 300.0
 CLOSE_S = 30.0
 SWITCH_S = 0.05  # the host processes' interpreter switch interval (_serve)
 
 
-def split(world: int, local: int) -> list[list[int]]:
+def split(world: int) -> list[list[int]]:
     """The node ranks each host process holds."""
-    per = max(1, HOST_RANKS // local)
-    nodes = list(range(world // local))
+    per = max(1, HOST_RANKS // LOCAL)
+    nodes = list(range(world // LOCAL))
     return [nodes[i : i + per] for i in range(0, len(nodes), per)]
+
+
+def ranks(nodes: list[int]) -> list[int]:
+    """The ranks of ``nodes``."""
+    return [r for n in nodes for r in range(n * LOCAL, (n + 1) * LOCAL)]
 
 
 def _serve(where: tuple[str, str], conn: Connection, index: int, *args: Any) -> None:

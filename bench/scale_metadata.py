@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from metadata import COLS, ROWS, SHARD
+from scale_hosts import LOCAL
 from unbroken.format.layout import Chunk, Manifest, parse
 from unbroken.format.write_plan import Block
 from unbroken.healing import live, messages, plan
@@ -46,7 +47,6 @@ from unbroken.saving.planning import Planner
 # (the phases here are single-threaded Python; on an idle machine it is the wall time).
 clock = time.thread_time
 STEP = 1000  # the step every live rank is at, and the newest snapshot in memory
-LOCAL = 8  # ranks per node
 LOST_NODE = 1  # the node whose ranks are replacements
 
 

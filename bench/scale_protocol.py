@@ -58,6 +58,7 @@ from typing import Any
 import torch.distributed as dist
 
 import scale_hosts
+from scale_hosts import LOCAL
 from unbroken.run import cli, contract, coordinator, inprocess, listen, silence, watcher
 from unbroken.run.agent import NodeAgent
 from unbroken.run.listen import LOOPBACK
@@ -67,7 +68,6 @@ from unbroken.run.timeline import Timeline
 # torch formats each new connection's addresses with a reverse lookup, which in this
 # sandbox goes to an unreachable DNS server for 5 s every ~50 connections: 1 s, once.
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
-LOCAL = 8
 LOST_NODE = 1
 PHASES = ("detection", "abort", "generation start")
 IDLE_S = 0.5  # of idle before the failure, to measure the store's load at rest
@@ -256,7 +256,7 @@ def host(conn: Connection, index: int, world: int, port: int, nodes: list[int],
         drivers = [as_party("agents", a.drive) for a in agents.values()]
         for t in drivers:
             t.start()
-        ours = [r for r in range(world) if r // LOCAL in agents]
+        ours = scale_hosts.ranks(nodes)
         healthy = len([r for r in ours if r // LOCAL != LOST_NODE])
         _until(lambda: sim.ready == len(ours), sim)
         conn.send(("ready", index))
@@ -303,7 +303,7 @@ def run(world: int) -> dict[str, Any]:
     log = Log()
     raw = listen.store()
     raw.add(contract.GENERATION_KEY, 0)
-    groups = scale_hosts.split(world, LOCAL)
+    groups = scale_hosts.split(world)
     last = len(groups) - 1  # the replacement's host; the lost node is in host 0's
     with counting(log, "coordinator"):
         _party.name = "coordinator"
