@@ -26,9 +26,11 @@ memory    snapshots of the device state into shared memory, the live state moved
 recovery  `bench/gpu_job.py` under ``unbroken run --in-process``, 2 ranks on the one
           GPU (one NCCL group if torch allows it, else DDP over gloo's CUDA path with a
           one-rank NCCL group per rank: printed), rank 1 killed by ``--inject-fault``:
-          rank 0 must keep its process, both must heal live at the kill's step, the
-          survivor's NCCL group must be aborted, and the final parameters must equal
-          an uninterrupted run's, bit for bit.
+          rank 0 must keep its process, rank 1 must come back from a warm spare (forked
+          from a template that imported torch without initialising CUDA), both must
+          heal live at the kill's step, the survivor's NCCL group must be aborted, and
+          the final parameters must equal an uninterrupted run's (ranks started cold),
+          bit for bit.
 
 Prints one table, then ``RESULT {json}`` as its last line; exits 1 on any wrong value,
 a section that fails, or one over its budget. The CPU test suite never runs it. The

@@ -247,7 +247,9 @@ def finished(proc: subprocess.Popen[str], timeout_s: float) -> tuple[int, str, s
 
 def launch(where: Path, mode: str, fault: str | None, timeout_s: float) -> dict[str, Any]:
     """One run of the job under ``unbroken run --in-process``: its exit, seconds,
-    timeline, final parameters and start records."""
+    timeline, final parameters and start records. The faulted run takes its ranks and
+    the replacement from warm spares, forked from a template that imported torch without
+    initialising CUDA (`unbroken.run.template`); the reference starts its ranks cold."""
     out = where / "out"
     out.mkdir(parents=True)
     timeline = where / "timeline.json"
@@ -260,7 +262,7 @@ def launch(where: Path, mode: str, fault: str | None, timeout_s: float) -> dict[
         "--nproc-per-node=1",
         "--max-restarts=1",
         f"--timeline-json={timeline}",
-        *([f"--inject-fault={fault}"] if fault else []),
+        *([f"--inject-fault={fault}", "--warm-spare"] if fault else []),
         str(JOB),
         f"--out={out}",
         f"--ckpt={where / 'ckpt'}",
@@ -303,8 +305,9 @@ def failed(run: dict[str, Any]) -> str:
 
 
 def healed(hit: dict[str, Any]) -> tuple[bool, str]:
-    """The faulted run: one recovery replacing rank 1; rank 0 kept its process; in the
-    next generation both ranks restored step `KILL_STEP` from live replicas."""
+    """The faulted run: one recovery replacing rank 1 from a warm spare; rank 0 kept its
+    process; in the next generation both ranks restored step `KILL_STEP` from live
+    replicas."""
     recs = hit["timeline"]["recoveries"]
     ranks = [starts_of(hit, r) for r in range(2)]
     kept = len(ranks[0]) == 2 and ranks[0][0]["pid"] == ranks[0][1]["pid"]
@@ -313,9 +316,14 @@ def healed(hit: dict[str, Any]) -> tuple[bool, str]:
     live = len(again) == 2 and all(
         s["restored"] == KILL_STEP and s["origins"] == ["live", "live"] for s in again
     )
-    ok = [r["respawned"] for r in recs] == [[1]] and kept and replaced and live
+    spare = any(
+        e["event"] == "respawn" and e.get("rank") == 1 and e.get("spare")
+        for e in hit["timeline"]["events"]
+    )
+    ok = [r["respawned"] for r in recs] == [[1]] and kept and replaced and live and spare
     detail = (
         f"recoveries {[r['respawned'] for r in recs]}, rank 0 kept its process: {kept}, "
+        f"rank 1 from a warm spare: {spare}, "
         f"restored {[(s['restored'], s['origins']) for s in again]}"
     )
     return ok, detail

@@ -80,7 +80,8 @@ def table(results: list[dict[str, Any]], cfg: Config, save_every: int) -> None:
         f"{cfg.every:g} s (seed {cfg.seed})",
         f"seconds; badput by cause from the ranks' step events; (a), (b) save every "
         f"{save_every} steps; node replacement after {cfg.replace_delay:g} s; hang timeout "
-        f"{cfg.hang_timeout:g} s",
+        f"{cfg.hang_timeout:g} s, (b) and (c) within {cfg.hang_factor:g}x a rank's longest "
+        "heartbeat gap",
         [("method", "left"), ("wall", "right"), ("vs (e)", "right"), ("goodput", "right"),
          ("simulated", "right"),
          *((c, "right") for c in causes), ("redone", "right"), ("faults", "right"),
@@ -154,6 +155,7 @@ def main() -> None:
     p.add_argument("--methods", default="abcd", help="which of a, b, c, d besides (e)")
     p.add_argument("--replace-delay", type=float, default=10.0)
     p.add_argument("--hang-timeout", type=float, default=10.0)
+    p.add_argument("--hang-factor", type=float, default=5.0, help="(b), (c); 0: the timeout alone")
     p.add_argument("--quick", action="store_true", help="CI: 120 steps, 3 faults 8 s apart, (c)")
     p.add_argument("--plot", help="write the timelines here (PNG)")
     p.add_argument("--keep", action="store_true", help="keep the runs' directories")
@@ -163,7 +165,7 @@ def main() -> None:
     if "d" in args.methods and shutil.which("torchft_lighthouse") is None:  # before the others run
         p.error("(d) needs torchft: pip install -e '.[bench]', or leave it out: --methods abc")
     cfg = Config(args.steps, args.every, args.seed, replace_delay=args.replace_delay,
-                 hang_timeout=args.hang_timeout)  # fmt: skip
+                 hang_timeout=args.hang_timeout, hang_factor=args.hang_factor)  # fmt: skip
     # A SIGTERM unwinds like Ctrl-C, through the `finally` that ends each run's processes.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     where = Path(tempfile.mkdtemp(prefix="unbroken-storm-"))

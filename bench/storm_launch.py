@@ -28,6 +28,7 @@ class Config:
     per_node: int = 2
     replace_delay: float = 10.0  # a lost node's replacement arrives this much later
     hang_timeout: float = 10.0  # what a method is given to find a hung rank
+    hang_factor: float = 5.0  # (b), (c): unbroken's watchdog learns each rank's pace (0: off)
 
     @property
     def ranks(self) -> int:

@@ -85,6 +85,7 @@ def restart_all(cfg: Config, save_every: int) -> Launch:
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-id=storm",
             "--rdzv-conf=is_host=false", "--max-restarts=1000", "--monitor-interval=0.5",
             local_addr(index), f"--heartbeat-timeout={cfg.hang_timeout:g}",
+            f"--hang-factor={cfg.hang_factor:g}",
             *worker(cfg, out, "unbroken", "--memory-every=5", f"--save-every={save_every}"),
         )  # fmt: skip
         return [start(out, f"node-{'standby' if index is None else index}", cmd)]
@@ -119,7 +120,7 @@ def in_process(cfg: Config, save_every: int) -> Launch:
             f"--nproc-per-node={cfg.per_node}",
             *([] if index is None else [f"--node-rank={index}"]),
             f"--rdzv-endpoint={endpoint[0]}", f"--rdzv-id={job}", "--max-restarts=1000",
-            f"--heartbeat-timeout={cfg.hang_timeout:g}",
+            f"--heartbeat-timeout={cfg.hang_timeout:g}", f"--hang-factor={cfg.hang_factor:g}",
             *worker(cfg, out, "unbroken", "--live", "--memory-every=10",
                     f"--save-every={save_every}"),
         )  # fmt: skip

@@ -4,8 +4,13 @@ running cannot damage the step the next generation saves (`unbroken.job.abort.se
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+
+from unbroken.errors import PeerLostError
+from unbroken.job import abort
 
 # One process, as a surviving rank under `unbroken run --in-process`: generation 1's
 # background save of step 5 is stuck writing (storage gated); the recovery abandons it;
@@ -56,3 +61,51 @@ def test_a_recovery_abandons_a_running_save_at_once_and_the_next_save_is_whole(t
     assert found["waited"], found
     assert found["committed"] is True and found["steps"] == [5], found
     assert found["value"] == 7000.0, found
+
+
+class _Abandoned:
+    """A Checkpointer as `abort.abandon_all` sees it: its save thread's work."""
+
+    def __init__(self, work: list) -> None:
+        self.work = work
+
+    def _abandon(self) -> list:
+        return [f for f in self.work if not f.done()]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("starts", ["aborted", "next generation"])
+def test_a_save_queued_behind_a_stuck_one_fails_at_once_and_the_next_generation_saves(starts):
+    """bench/storm.py, a hung rank: a survivor's background save was queued on its save
+    thread behind a transfer stuck on the hung peer; the abort freed the transfer, the
+    recovery abandoned both, and the save then started and waited for the abandoned
+    work, itself among it, for 60 s (`abort.SETTLE_S`), while the next generation's saves
+    waited behind it, and every peer with them: a 10 s stall, until the watchdog aborted
+    again. Now abandoned work raises, whether it starts while its generation is aborted
+    or once the next one has begun (which clears the abort), and the next save goes on."""
+    from unbroken.job.background import SaveThread
+
+    abort.begin(1)
+    try:
+        stuck, thread = threading.Event(), SaveThread()
+        transfer = thread.submit(stuck.wait)  # on the hung peer, until the abort
+        queued = thread.submit(abort.settle, "saving step 660")
+        abort.register(kept := _Abandoned([transfer, queued]))
+        abort.shutdown()  # generation 1 aborted
+        assert len(abort.abandon_all()) == 1
+        if starts == "next generation":
+            abort.begin(2)
+        started = time.monotonic()
+        stuck.set()  # freed: the queued save starts now
+        with pytest.raises(PeerLostError, match="saving step 660: stopped"):
+            queued.result(timeout=10)
+        assert time.monotonic() - started < 2
+        abort.begin(2)
+        started = time.monotonic()
+        next_save = SaveThread().submit(abort.settle, "saving step 670")
+        assert next_save.result(timeout=10) is None
+        assert time.monotonic() - started < 2
+        del kept
+    finally:
+        abort.begin()
+        abort._enabled = False  # this process is not under in-process recovery

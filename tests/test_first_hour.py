@@ -33,6 +33,7 @@ import unbroken
 from unbroken.cli.main import main as cli
 from unbroken.demo import run as demo
 from unbroken.run import contract
+from unbroken.run.pace import Pace
 from unbroken.run.timeline import Timeline
 from unbroken.run.watch import Watch
 
@@ -280,6 +281,6 @@ def test_a_finished_rank_is_reported_at_its_last_step_not_its_last_heartbeat(
         def kill_node(self, node: int) -> None:
             raise AssertionError("no node to kill")
 
-    Watch(str(tmp_path), timeline, 60.0, Hooks()).poll()
+    Watch(str(tmp_path), timeline, Pace(60.0), Hooks()).poll()
     [exit_event] = [e for e in timeline.events if e["event"] == "worker_exit"]
     assert exit_event["step"] == 20

@@ -367,6 +367,7 @@ class Hooks:
 def test_the_watchdog_lets_a_closing_process_shut_down_for_a_while(tmp_path, closed_ago, hung):
     """A process that closed its Checkpointer after its last beat is shutting down, not
     hung, for up to `CLOSE_GRACE` heartbeat timeouts (0.5 s here)."""
+    from unbroken.run.pace import Pace
     from unbroken.run.watch import Watch
 
     now = time.time()
@@ -376,5 +377,5 @@ def test_the_watchdog_lets_a_closing_process_shut_down_for_a_while(tmp_path, clo
         closing = {"event": "closing", "t": now - closed_ago, "rank": 0, "pid": os.getpid()}
         (tmp_path / f"events-0-{os.getpid()}.jsonl").write_text(json.dumps(closing) + "\n")
     hooks = Hooks()
-    Watch(str(tmp_path), Timeline(), 0.5, hooks).poll()
+    Watch(str(tmp_path), Timeline(), Pace(0.5), hooks).poll()
     assert hooks.hung == ([0] if hung else [])

@@ -33,6 +33,7 @@ def launch(
     replicas: int = 0,
     during: Callable[[subprocess.Popen[str]], None] | None = None,
     setup_s: float = 0.0,
+    steps: int = STEPS,
 ) -> dict:
     """`python -m unbroken.run --in-process OPTIONS train_job.py --in-process`: its
     timeline, final parameters, and the records each rank wrote at the start of each
@@ -54,7 +55,7 @@ def launch(
         "--in-process",
         f"--ckpt={tmp / 'ckpt'}",
         f"--out={out}",
-        f"--steps={STEPS}",
+        f"--steps={steps}",
         f"--save-every={SAVE_EVERY}",
         f"--replicas={replicas}",
         f"--setup-s={setup_s}",
@@ -184,6 +185,21 @@ def test_hung_rank_is_found_and_replaced_in_process_bitwise(tmp_path, reference)
     assert [e["rank"] for e in hung] == [0]
     # Detected once the heartbeat is 4 s old, not at the collective's 30 s timeout.
     assert rec["detected_t"] - rec["fault_t"] < timeout + 2
+
+
+@pytest.mark.timeout(90)
+def test_a_hang_is_found_at_the_ranks_learned_pace_not_at_the_heartbeat_timeout(tmp_path):
+    """With ``--hang-factor``, a rank that hangs once its pace is learned is found within
+    a few of its heartbeat gaps (0.2 s and more here), not the 60 s heartbeat timeout;
+    the saves and snapshots before it, slower steps, were no hang."""
+    step, timeout = 200, 60
+    options = ["--nproc-per-node=2", f"--heartbeat-timeout={timeout}", "--hang-factor=5"]
+    run = launch(tmp_path, *options, f"--inject-fault=hang rank=0 step={step}", steps=230)
+    [rec] = run["timeline"]["recoveries"]
+    assert rec["detected_by"] == "hang_detected" and rec["respawned"] == [0], rec
+    assert rec["fault_step"] == step
+    assert rec["detected_t"] - rec["fault_t"] < timeout / 4, rec
+    assert len({s["pid"] for s in starts_of(run, 1)}) == 1, "the waiting rank kept its process"
 
 
 @pytest.mark.timeout(90)

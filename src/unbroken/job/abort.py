@@ -18,7 +18,10 @@ abandoned (`Checkpointer._abandon`, through `register` and `abandon_all`), not j
 a recovery never waits for a save of the failed generation. A save still running then
 can only fail (its group is aborted), but it may still be writing the files of its step,
 which the next generation may save again; so the next save waits for it first
-(`settle`), off the recovery's path.
+(`settle`), off the recovery's path. A save's work is bound to the generation it was
+submitted in (`bound`): once a later generation begins, which clears the abort, work
+left from an earlier one still fails at its next `check` instead of waiting on peers
+that moved on, or, in `settle`, on itself.
 
 NCCL groups (GPU) are aborted through torch's own abort
 (``torch.distributed.distributed_c10d._abort_process_group``), which aborts every NCCL
@@ -51,6 +54,7 @@ import queue
 import socket
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -70,6 +74,7 @@ _listeners: set[tuple[str, int]] = set()  # gloo listeners of this generation's 
 _enabled = False
 _generation = 0
 _aborted = threading.Event()
+_bound = threading.local()  # .generation: that of the work this thread runs (`bound`)
 
 
 class Abandonable(Protocol):
@@ -107,15 +112,24 @@ def settle(what: str, timeout: float = SETTLE_S) -> None:
     """Before ``what`` writes: wait for the abandoned work of an earlier generation to
     end (it may be writing the files of the step about to be saved again). Returns at
     once when there is none, which is nearly always: a failed save ends as soon as its
-    aborted group fails it."""
+    aborted group fails it. Work that is itself abandoned raises (`check`) rather than
+    wait: it is among what it would wait for (bench/storm.py: a save queued behind a
+    transfer to a hung peer started just after the abort, and the next generation's
+    saves waited `SETTLE_S` behind it, their peers with them)."""
     with _lock:
         _leftover[:] = [f for f in _leftover if not f.done()]
         running = list(_leftover)
-    if running and futures.wait(running, timeout).not_done:
-        log.warning(
-            "%s: a save abandoned by an earlier recovery is still running after %.0f s; "
-            "going on (its files are only ever an uncommitted step's)", what, timeout,
-        )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while True:
+        check(what)
+        if not futures.wait(running, POLL_S).not_done:
+            return
+        if time.monotonic() > deadline:
+            break
+    log.warning(
+        "%s: a save abandoned by an earlier recovery is still running after %.0f s; "
+        "going on (its files are only ever an uncommitted step's)", what, timeout,
+    )  # fmt: skip
 
 
 def begin(generation: int = 0) -> None:
@@ -128,6 +142,22 @@ def begin(generation: int = 0) -> None:
         _listeners.clear()  # the failed generation's groups: kept, never used again
 
 
+def generation() -> int:
+    """The generation running now (0 outside in-process recovery)."""
+    return _generation
+
+
+@contextlib.contextmanager
+def bound(generation: int) -> Iterator[None]:
+    """This thread runs work of ``generation`` meanwhile: `check` raises once that
+    generation is aborted, and still once a later one has begun."""
+    _bound.generation = generation
+    try:
+        yield
+    finally:
+        _bound.generation = None
+
+
 def poll_s() -> float | None:
     """How long a wait that must notice an abort may block at a time: forever unless
     in-process recovery is on."""
@@ -137,7 +167,8 @@ def poll_s() -> float | None:
 def check(what: str) -> None:
     """Raise if this generation was aborted (a peer failed). Waits on gloo work call
     this between bounded waits: gloo can miss waking an operation whose peer died."""
-    if _aborted.is_set():
+    mine = getattr(_bound, "generation", None)
+    if _aborted.is_set() or (mine is not None and mine != _generation):
         raise PeerLostError(
             f"{what}: stopped because a peer failed; in-process recovery restarts training"
         )

@@ -54,22 +54,25 @@ class SaveThread:
     exit hook."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any], int] | None]
         self._queue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="unbroken-save", daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()
-        self._queue.put((future, lambda: fn(*args)))
+        # Bound to the generation it was submitted in: left behind by a recovery, it
+        # fails at its next wait instead of waiting on the next generation's peers.
+        self._queue.put((future, lambda: fn(*args), abort.generation()))
         return future
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            future, call = item
+            future, call, generation = item
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(call())
+                    with abort.bound(generation):
+                        future.set_result(call())
                 except BaseException as e:
                     future.set_exception(e)
 

@@ -68,6 +68,7 @@ MULTI_NODE_ALLOWED = {
 _TAKES_VALUE = {
     "--inject-fault",
     "--heartbeat-timeout",
+    "--hang-factor",
     "--simulate-nodes",
     "--timeline-json",
     "--secret-file",
@@ -111,6 +112,9 @@ def _our_parser() -> argparse.ArgumentParser:
         help="SIGKILL a worker that has not called unbroken.run.tick() for this long "
         "(after its first tick), so torchrun restarts the workers (default 60; 0: off)",
     )
+    hang = "a rank is hung after F times its longest gap between heartbeats in this generation"
+    p.add_argument("--hang-factor", type=float, default=0.0, metavar="F", help=f"{hang}, once "
+                   "learned (at least 2 s, at most --heartbeat-timeout; 0: off)")  # fmt: skip
     p.add_argument(
         "--simulate-nodes",
         type=int,
@@ -201,6 +205,11 @@ def parse(argv: list[str]) -> RunOptions:
         )
     if ours.heartbeat_timeout < 0:
         parser.error("--heartbeat-timeout must be positive (or 0 to turn the watchdog off)")
+    if ours.hang_factor and (ours.hang_factor < 1 or not ours.heartbeat_timeout):
+        parser.error(
+            f"--hang-factor {ours.hang_factor:g}: must be 1 or more (0: off), with a "
+            "--heartbeat-timeout above 0 as its ceiling"
+        )
     if ours.simulate_nodes is not None:
         _check_simulation(parser, ours.simulate_nodes, torchrun_opts, targs)
     nnodes = _int(str(targs.nnodes).split(":")[-1])

@@ -41,6 +41,7 @@ from typing import Any
 from unbroken.run import contract, listen
 from unbroken.run.args import RunOptions, torchrun_parser
 from unbroken.run.nodes import NodeMemory
+from unbroken.run.pace import Pace
 from unbroken.run.procs import kill_tree
 from unbroken.run.timeline import Timeline, say
 from unbroken.run.watch import Stale, Watch
@@ -205,7 +206,7 @@ class RestartAll:
         self.dir = heartbeat_dir
         self.timeline = Timeline(mode="restart")
         self.timeout = opts.ours.heartbeat_timeout
-        self.watch = Watch(heartbeat_dir, self.timeline, self.timeout, self)
+        self.watch = Watch(heartbeat_dir, self.timeline, Pace.of(opts.ours), self)
         self.agents: list[Agent] = []
         self.memory: NodeMemory | None = None
         self.store: Any = None  # torchrun's rendezvous store, if hosted here

@@ -43,6 +43,7 @@ from typing import Any
 from unbroken.run import contract, listen
 from unbroken.run.args import RunOptions
 from unbroken.run.nodes import NodeMemory
+from unbroken.run.pace import Pace
 from unbroken.run.procs import Process, kill_tree
 from unbroken.run.spare import Spares
 from unbroken.run.timeline import Timeline, say
@@ -72,7 +73,7 @@ class Supervisor:
         self.dir = heartbeat_dir
         self.timeline = Timeline(mode="in-process")
         self.timeout = opts.ours.heartbeat_timeout
-        self.watch = Watch(heartbeat_dir, self.timeline, self.timeout, self)
+        self.watch = Watch(heartbeat_dir, self.timeline, Pace.of(opts.ours), self)
         self.stopping = False
         self.store: Any = None  # generation counter, abort keys, spares; outlives workers
         self.spares: Spares | None = None

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol
 
 from unbroken.access import Access
 from unbroken.run import contract, reached
+from unbroken.run.pace import Pace
 from unbroken.run.procs import alive, cpu_ticks
 from unbroken.run.timeline import Timeline
 
@@ -56,14 +57,14 @@ class WatchHooks(Protocol):
 
 class Watch:
     """Polls ``directory`` for ``hooks``, recording what it sees in ``timeline``;
-    ``timeout``: the heartbeat timeout in seconds (0: no watchdog)."""
+    ``pace``: each rank's hang limit (its ceiling, the heartbeat timeout in seconds;
+    0: no watchdog)."""
 
-    def __init__(
-        self, directory: str, timeline: Timeline, timeout: float, hooks: WatchHooks
-    ) -> None:
+    def __init__(self, directory: str, timeline: Timeline, pace: Pace, hooks: WatchHooks) -> None:
         self.dir = directory
         self.timeline = timeline
-        self.timeout = timeout
+        self.pace = pace
+        self.timeout = pace.ceiling
         self.hooks = hooks
         self.beats: dict[int, Beat] = {}  # by rank
         self.seen_exit: set[int] = set()  # pids whose exit is on the timeline
@@ -163,7 +164,7 @@ class Watch:
                 )
             elif (
                 self.timeout
-                and now - self.hooks.since(t, attempt) > self.timeout
+                and now - self.hooks.since(t, attempt) > self.pace.limit(rank)
                 and pid not in self.ignored
                 and not self.shutting_down(pid, t, now)
                 and not self._busy(pid, t, now)
@@ -241,4 +242,6 @@ class Watch:
                     beat = Beat(*contract.heartbeat_fields(f.read()))
             except (OSError, ValueError):
                 continue  # being written for the first time
-            self.beats[int(name[len(contract.HEARTBEAT_PREFIX) :])] = beat
+            rank = int(name[len(contract.HEARTBEAT_PREFIX) :])
+            self.beats[rank] = beat
+            self.pace.saw(rank, beat.pid, beat.attempt, beat.t)
