@@ -120,16 +120,15 @@ def settle(what: str, timeout: float = SETTLE_S) -> None:
         _leftover[:] = [f for f in _leftover if not f.done()]
         running = list(_leftover)
     deadline = time.monotonic() + timeout
-    while True:
+    check(what)
+    while futures.wait(running, POLL_S).not_done:
         check(what)
-        if not futures.wait(running, POLL_S).not_done:
-            return
         if time.monotonic() > deadline:
-            break
-    log.warning(
-        "%s: a save abandoned by an earlier recovery is still running after %.0f s; "
-        "going on (its files are only ever an uncommitted step's)", what, timeout,
-    )  # fmt: skip
+            log.warning(
+                "%s: a save abandoned by an earlier recovery is still running after %.0f s; "
+                "going on (its files are only ever an uncommitted step's)", what, timeout,
+            )  # fmt: skip
+            return
 
 
 def begin(generation: int = 0) -> None:
