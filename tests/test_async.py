@@ -208,6 +208,33 @@ def test_exiting_with_a_pending_save_warns_then_finishes_it(tmp_path):
     assert Checkpointer(tmp_path).steps() == [7]
 
 
+def test_exiting_after_an_overlapped_save_without_another_step_finishes_it(tmp_path):
+    """The save's copy waits for the next optimizer step (`unbroken.job.overlap`); a script
+    that ends right after ``save`` has none: exiting settles the copy, and commits."""
+    script = textwrap.dedent(
+        f"""
+        import logging, torch, unbroken
+        logging.basicConfig()
+        model = torch.nn.Linear(64, 64)
+        optim = torch.optim.AdamW(model.parameters())
+        ckpt = unbroken.Checkpointer({str(tmp_path)!r})
+        model(torch.ones(2, 64)).sum().backward()
+        optim.step()
+        ckpt.save(3, {{"model": model, "optim": optim}}, blocking=False)
+        torch.save(model.state_dict(), {str(tmp_path / "live.pt")!r})
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.AdamW(model.parameters())
+    assert Checkpointer(tmp_path).restore({"model": model, "optim": optim}) == 3
+    live = torch.load(tmp_path / "live.pt")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in live.items())
+
+
 def _rss() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))

@@ -52,6 +52,24 @@ def test_a_slots_manifest_is_read_again_only_once_the_slot_changed(tmp_path, mon
     assert 3 not in own.steps()
 
 
+def test_a_replicas_manifest_is_checked_before_it_is_published(tmp_path):
+    """A snapshot's own manifest is published as built (`seal`); one a peer sent for its
+    replica is parsed and checked first: a chunk past the slot's bytes never counts."""
+    ckpt, state = _ckpt(str(tmp_path)), {"w": torch.full((1000,), 1.0)}
+    ckpt.snapshot(1, state)
+    ckpt.wait()
+    assert ckpt._memory is not None
+    _, manifest = ckpt._memory.own.whole()[1]
+    text = manifest.to_json().decode()
+    slots = ckpt._memory.replica(1)
+    slot, _ = slots.begin(sum(manifest.files.values()))
+    with pytest.raises(CheckpointError, match="w"):
+        slots.publish(slot, text.replace('"end":4000', '"end":40000'))
+    assert slots.whole() == {}
+    slots.publish(slot, text)
+    assert list(slots.whole()) == [1]
+
+
 def test_a_copy_is_invisible_until_sealed_and_never_overwrites_the_newest(tmp_path):
     ckpt = _ckpt(str(tmp_path))
     state = {"w": torch.full((1000,), 1.0)}

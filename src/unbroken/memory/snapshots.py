@@ -269,4 +269,4 @@ def seal(memory: MemoryTier, copied: Copied, tree: dict[str, Any]) -> None:
         rank_objects=[0] * memory.world_size,
         files={file: copied.size},
     )
-    memory.own.publish(copied.slot, manifest.to_json().decode())
+    memory.own.publish(copied.slot, manifest.to_json().decode(), manifest)

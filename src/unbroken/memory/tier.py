@@ -123,10 +123,12 @@ class Slots:
         with self._lock:
             self.kept = slot
 
-    def publish(self, slot: int, manifest_json: str) -> None:
-        """Describe ``slot``: from now on it counts. A manifest received from another
-        slot pair is rewritten to name this slot's file."""
-        manifest = Manifest.from_json(manifest_json.encode(), self.dir, whole=False)
+    def publish(self, slot: int, manifest_json: str, built: Manifest | None = None) -> None:
+        """Describe ``slot``: from now on it counts. ``built``: the manifest of
+        ``manifest_json`` where this process made it (a peer's is parsed and checked
+        here). A manifest received from another slot pair is rewritten to name this
+        slot's file."""
+        manifest = built or Manifest.from_json(manifest_json.encode(), self.dir, whole=False)
         file = os.path.basename(self._path(slot, "bin"))
         if set(manifest.files) != {file}:
             manifest_json = _renamed(manifest, file)

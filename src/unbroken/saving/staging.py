@@ -38,6 +38,9 @@ class Arena:
         self.buffer: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
         self._lock = threading.Lock()  # a reservation and a save never allocate at once
+        # The views of the last save's layout into the buffer: a save with the same
+        # layout (every save of a training loop) makes none (2 torch calls a tensor).
+        self._views: tuple[Any, int, list[torch.Tensor]] | None = None
         self.reserving = False
 
     def reserve(self, nbytes: int, pin: bool) -> None:
@@ -46,7 +49,7 @@ class Arena:
             with self._lock:
                 if self.nbytes >= nbytes:
                     return
-                self.buffer = None  # free the old buffer before allocating its replacement
+                self.buffer = self._views = None  # free the old buffer before allocating anew
                 buffer = host_buffer(nbytes, pin)
                 if not pin:
                     buffer.zero_()  # page faults now, not in the first save
@@ -74,13 +77,18 @@ class Arena:
         on_cuda = [t for t in blocks if t.is_cuda]
         with self._lock:  # waits for a reservation under way: it has done part of the work
             if self.buffer is None or self.buffer.numel() < total:
-                self.buffer = None  # free the old buffer before allocating its replacement
+                self.buffer = self._views = None  # free the old buffer before allocating anew
                 self.buffer = host_buffer(total, pin=bool(on_cuda))
         assert self.buffer is not None
-        copies = [
-            self.buffer[o : o + t.nbytes].view(t.dtype).view(t.shape)
-            for o, t in zip(offsets, blocks, strict=True)
-        ]
+        layout = [(t.dtype, t.shape) for t in blocks]
+        views = self._views
+        if views is None or views[0] != layout or views[1] != self.buffer.data_ptr():
+            copies = [
+                self.buffer[o : o + t.nbytes].view(t.dtype).view(t.shape)
+                for o, t in zip(offsets, blocks, strict=True)
+            ]
+            views = self._views = (layout, self.buffer.data_ptr(), copies)
+        copies = list(views[2])
         for dst, src, defer in zip(copies, blocks, later, strict=True):
             if not src.is_cuda and not defer:
                 dst.copy_(src)

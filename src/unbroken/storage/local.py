@@ -64,13 +64,15 @@ class LocalStorage:
     ) -> None:
         fd = self._create(folder, name, full)
         try:
-            offset = 0
+            offset = started = 0  # writeback is asked for in pieces, not per small part
             for part in parts:
                 view = memoryview(part).cast("B")
                 while view:
                     n = os.write(fd, view[:_WRITEBACK_BYTES])
-                    _start_writeback(fd, offset, n)
                     view, offset = view[n:], offset + n
+                    if offset - started >= _WRITEBACK_BYTES:
+                        _start_writeback(fd, started, offset - started)
+                        started = offset
             faults.point("fsync")
             os.fsync(fd)
         finally:
@@ -249,6 +251,8 @@ class LocalStorage:
 # Asking the kernel to start writing each piece back as soon as it is in the page cache
 # overlaps the disk with the copying of the next piece; plain write-then-fsync does the two
 # one after the other. Measured here: about 2x faster for 2 x 512 MiB (bench/save_load.py).
+# Asked once per piece, not per part written: per tensor, it doubled the CPU time of
+# writing 10 MiB in 156 parts.
 _WRITEBACK_BYTES = 16 << 20
 
 
