@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 
-from unbroken.run import contract, gate, listen
+from unbroken.run import contract, gate, listen, supervisor
 from unbroken.run.args import RunOptions, endpoint
 from unbroken.run.listen import LOOPBACK
 from unbroken.run.news import Listener, announce, answer_pings, beat
@@ -45,14 +45,12 @@ from unbroken.run.watch import Stale
 
 CLAIM_WAIT_S = 600.0  # how long an agent waits for its --node-rank's slot to be free
 # From a ping or an abort on, for FAST_FOR_S, the agent checks its local ranks every
-# FAST_POLL_S, not `unbroken.run.cli.POLL_S` (a recovery's critical path); the store's
-# news wakes it at once either way.
-FAST_POLL_S = 0.01
-FAST_FOR_S = 2.0
+# FAST_POLL_S, not `run.cli.POLL_S` (a recovery's critical path); news wakes it anyway.
+FAST_POLL_S, FAST_FOR_S = 0.01, 2.0
 LOOK_S = 1.0  # between two looks at the store when nothing is announced (`run.news`)
 # After a hang, how long ranks have to answer the abort before they are judged hung: more
-# than on one machine, since the abort reaches them through the coordinator, and a rank
-# killed wrongly costs far more than the wait.
+# than on one machine, as the abort reaches them through the coordinator; once a rank of
+# this node answered, it has reached the node: the others get the one machine's wait.
 PROBE_S = 3.0
 
 
@@ -325,6 +323,9 @@ class NodeAgent(Supervisor):
         answered = self.answered(generation)
         live = {w.rank: w for w in self.workers.values() if w.proc and w.proc.poll() is None}
         silent = sorted(set(live) - answered - {w.rank for w in self.workers.values() if w.done})
+        if silent and answered & set(live):
+            deadline = min(deadline, time.monotonic() + supervisor.PROBE_S)
+            self.probing = (generation, deadline)
         if silent and time.monotonic() < deadline:
             return
         self.probing = None
