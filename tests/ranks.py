@@ -10,6 +10,9 @@ from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
+# What every rank imports; safe to import before a fork (no threads start at import).
+PRELOAD = ("torch", "torch.distributed", "unbroken", "unbroken.checkpointer")
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -18,11 +21,19 @@ def free_port() -> int:
 
 
 def _worker(
-    fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    args: tuple,
+    queue: Any,
+    env: dict[str, str],
 ) -> None:
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()  # the caller's, as now: not the fork server's, as when it started
+    os.environ.update(env)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
@@ -41,6 +52,24 @@ def _worker(
             dist.destroy_process_group()
 
 
+def start_ranks(fn: Callable[..., Any], args: tuple, world: int) -> tuple[list[Any], Any]:
+    """``fn(rank, world, *args)`` started on ``world`` processes joined by gloo; the
+    processes and the queue each puts ``(rank, "ok" or "error", value)`` on."""
+    # Forked from one server that imported torch and the library once: a spawned rank
+    # spent about 3 s importing them (a test's ranks share 2 cores), a forked one nothing.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    queue, port = ctx.Queue(), free_port()
+    env = dict(os.environ)
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world, port, args, queue, env), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs, queue
+
+
 def run_ranks(
     fn: Callable[..., Any],
     *args: Any,
@@ -48,21 +77,13 @@ def run_ranks(
     timeout: float = 90,
     exits: Collection[int] = (),
 ) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` spawned processes; their results by rank.
+    """``fn(rank, world, *args)`` on ``world`` processes; their results by rank.
 
     Raises AssertionError with the rank's traceback if any rank fails, and kills every
     rank if they have not all finished within ``timeout`` seconds. The ranks in
     ``exits`` are expected to end their process instead of returning (a test of a peer
     that dies): their result is None."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    procs, queue = start_ranks(fn, args, world)
     results: dict[int, Any] = dict.fromkeys(exits)
     errors: list[str] = []
     try:

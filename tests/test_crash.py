@@ -8,7 +8,6 @@ S3); CI runs the default."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from ranks import _worker, free_port, run_ranks
+from ranks import run_ranks, start_ranks
 from unbroken import Checkpointer
 from unbroken.run import faults
 
@@ -170,14 +169,7 @@ def _killed_ranks(fn: Any, *args: Any, world: int = 2, timeout: float = 90) -> l
     """``fn(rank, world, *args)`` on ``world`` gloo ranks that are all expected to be
     killed (`run_ranks` returns at once when every rank is expected to exit); their exit
     codes, once every rank has ended or ``timeout`` has passed (then killed: None)."""
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(fn, r, world, port, args, queue), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    procs, _ = start_ranks(fn, args, world)
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))

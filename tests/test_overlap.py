@@ -12,6 +12,7 @@ from torch import nn
 from ranks import run_ranks
 from unbroken import Checkpointer, CheckpointError
 from unbroken.job import overlap
+from unbroken.sdc import Replicated, SilentCorruptionError
 
 
 def make() -> tuple[nn.Sequential, torch.optim.Optimizer]:
@@ -136,18 +137,25 @@ def test_resuming_from_overlapped_saves_is_bitwise_no_nan_megatron_1713(tmp_path
 
 
 def _two_ranks(rank: int, world: int, path: str) -> None:
-    """Rank 1 tears its copy; both ranks' save of step 2 fails, step 1 stays."""
+    """Rank 1 tears its copy of replicated state; both ranks' save of step 2 fails as
+    torn, not as divergent replicas (the replicas are compared after the verdict), and
+    step 1 stays."""
     model, optim = make()
-    ckpt = Checkpointer(path)
+    ckpt = Checkpointer(path, replicated=Replicated(("model", "optim"), action="refuse"))
     step(model, optim)
     ckpt.save(1, state(model, optim))
     step(model, optim)
+    gate, copy = threading.Event(), overlap.Copy._copy
+    if rank == 1:  # the copier runs late, so the copy holds the torn values
+        overlap.Copy._copy = lambda self: (gate.wait(30), copy(self))  # type: ignore[method-assign,assignment]
     handle = ckpt.save(2, state(model, optim), blocking=False)
     if rank == 1:
         with torch.no_grad():
             dict(model.named_parameters())["2.bias"].mul_(2.0)
-    with pytest.raises(CheckpointError):
+    gate.set()
+    with pytest.raises(CheckpointError, match=r"2\.bias changed outside optimizer") as caught:
         handle.wait()
+    assert not isinstance(caught.value, SilentCorruptionError)
     assert ckpt.steps() == [1]
     ckpt.close()
 

@@ -162,17 +162,17 @@ def test_rank_0_joins_the_chunks_its_writers_encoded_in_each_tensor_s_order():
     assert early == [[None, False, ["rng"]], [None, False, ["rng"]]]
     sums = [{"rng": {"xxh3": "a0"}}, {"rng": {"xxh3": "a1"}}]  # the values differ
     parts = planner.writes(sums)
-    assert [sorted(p[1]) for p in parts] == [["rng", "s"], ["rng", "s"]]
-    assert [p[2] for p in parts] == [{"rng": [0]}, {"rng": [1]}]
+    assert [sorted(p[0]) for p in parts] == [["rng", "s"], ["rng", "s"]]
+    assert [p[1] for p in parts] == [{"rng": [0]}, {"rng": [1]}]
     written = []
-    for rank, (_, keys, tags) in enumerate(parts):
+    for rank, (keys, tags) in enumerate(parts):
         name = f"r{rank:05d}-000.safetensors"
         offsets = {"s": 4 - 4 * rank, "rng": 0}
         texts = [Chunk(offsets=[offsets[k]], shape=[4], file=name, start=16 * i, end=16 * i + 16,
                        xxh3=sums[rank].get(k, {}).get("xxh3", "5"), ranks=tags.get(k)).to_text()
                  for i, k in enumerate(keys)]  # fmt: skip
         written.append([texts, {name: 16 * len(keys)}, {"step": 1}])
-    planner.wrote(json.loads(json.dumps(written)))
+    assert planner.wrote(json.loads(json.dumps(written))) == [None, None]
     m = Manifest.from_json(planner.manifest(2, 0.0).to_json(), "m")
     assert [(c.offsets, c.file[:6]) for c in m.tensors["s"].chunks] == [
         ([0], "r00001"),

@@ -25,10 +25,13 @@ pass over the checksums the plan gathered anyway (nothing at all where nothing i
 
 A divergent region is named with its tensor, region and which ranks hold which value, is
 recorded as an ``sdc`` event (`unbroken.run.worker.event`), and then ``action`` decides:
-``"warn"`` logs and saves, ``"refuse"`` fails the save on every rank before anything is
-written (`SilentCorruptionError`), ``"suspect"`` (the default) saves, logs, and writes
-``suspect.json`` beside the step's manifest, which `suspect` reads back (a restore of the
-step warns, ``unbroken show`` prints ``SUSPECT``). The manifest itself is unchanged.
+``"warn"`` logs and saves, ``"refuse"`` fails the save on every rank before it commits
+(`SilentCorruptionError`; what the ranks wrote is removed), ``"suspect"`` (the default)
+saves, logs, and writes ``suspect.json`` beside the step's manifest, which `suspect`
+reads back (a restore of the step warns, ``unbroken show`` prints ``SUSPECT``). The
+manifest itself is unchanged. The comparison runs once every rank has written, after
+each has judged its overlapped copy (`unbroken.job.overlap`): a copy torn by the loop
+fails its save as torn, never as a divergent replica.
 
 Why ``"suspect"`` by default: a replica that differs is a fault to say loudly, but not a
 reason to stop checkpointing. Refusing loses the newest restore point while training goes

@@ -190,11 +190,21 @@ class Copy:
         finally:
             self.settled.set()
 
+    def copied(self, what: str) -> None:
+        """Wait (in the save thread) until the copier thread has copied the CPU sources:
+        the copies may be read (hashed, written) from then on, but only `verdict` says
+        whether they hold the step's values."""
+        _wait(self._copied, what)
+
     def verdict(self, what: str) -> str | None:
         """Wait (in the save thread) until the training thread settled this copy: its
         error, or None once every copy has landed intact."""
-        while not self.settled.wait(abort.poll_s()):
-            abort.check(what)
+        _wait(self.settled, what)
         if self.landed is not None:
             self.landed.synchronize()
         return self.error
+
+
+def _wait(event: threading.Event, what: str) -> None:
+    while not event.wait(abort.poll_s()):
+        abort.check(what)

@@ -4,12 +4,17 @@ Persisting is collective. Its phases, each ending with every rank agreeing:
 
 1. rank 0 gets every rank's blocks and agrees the step (or skipping it); each rank
    hashes the blocks rank 0 says another rank holds too (the plan writes a replicated
-   block once, by checksum); rank 0 makes the plan, compares the copies of replicated
-   state (`unbroken.sdc`) and sends each rank the keys it writes, and nothing else
-   (`unbroken.saving.planning`);
+   block once, by checksum); rank 0 makes the plan and sends each rank the keys it
+   writes, and nothing else (`unbroken.saving.planning`);
 2. write: each rank writes the blocks the plan gives it and makes them durable, hashing
-   those it alone holds meanwhile (`unbroken.saving.checksums`);
+   those it alone holds meanwhile (`unbroken.saving.checksums`), and judges its
+   overlapped copy (`unbroken.job.overlap`); rank 0 then compares the copies of
+   replicated state (`unbroken.sdc`);
 3. commit: rank 0 writes the manifest atomically. Only now does the step exist.
+
+An overlapped copy is read (hashed, written) as soon as it has landed, beside the
+training that follows the save; only its verdict waits for the next optimizer step,
+and nothing is compared or committed before it.
 """
 
 from __future__ import annotations
@@ -186,17 +191,17 @@ def _persist(ctx: SaveContext, staged: Staged, writing: list[bool]) -> bool:
         sums.update(_hash(ctx, staged, early))
         return sums
 
-    refusal, writes, tags = comm.planned(what, lambda: explained(ctx, what, hashed), planner.writes)
-    refused(refusal)
+    writes, tags = comm.planned(what, lambda: explained(ctx, what, hashed), planner.writes)
     writing.append(True)
     info = Info(step, time.time(), staged.metric)
-    comm.planned(
+    refusal = comm.planned(
         f"writing step {step}",
         lambda: explained(
             ctx, f"writing step {step}", lambda: _write(ctx, staged, writes, tags, sums, info)
         ),
         planner.wrote,
     )
+    refused(refusal)
     faults.point("data-written")
     comm.together(
         f"committing step {step}",
@@ -256,9 +261,8 @@ def _remove_failed(ctx: SaveContext, step: int) -> None:
 
 def _layout(staged: Staged) -> list[Any]:
     """What this rank saves, for the plan: the step, whether it skips it, its blocks and
-    which of them it knows to be replicated (`unbroken.sdc`)."""
-    if staged.copy is not None and staged.error is None:
-        staged.error = staged.copy.verdict(f"saving step {staged.step}")
+    which of them it knows to be replicated (`unbroken.sdc`). An overlapped copy need not
+    have landed: the plan needs only shapes."""
     if staged.error is not None:
         raise CheckpointError(staged.error)
     return [staged.step, staged.skipped, [b.to_json() for b in layout(staged)], staged.replicated]
@@ -267,6 +271,8 @@ def _layout(staged: Staged) -> list[Any]:
 def _hash(ctx: SaveContext, staged: Staged, keys: list[str]) -> Sums:
     """The checksums of ``keys`` (the blocks other ranks hold too), once the staged copies
     have landed; on rank 0, beside them, clearing the way for the step (`_clear`)."""
+    if staged.copy is not None:
+        staged.copy.copied(f"saving step {staged.step}")
     if staged.ready is not None:
         staged.ready.synchronize()
     clear = (lambda: _clear(ctx, staged.step, staged.rollback_from)) if ctx.comm.rank == 0 else None
@@ -301,6 +307,10 @@ def _write(
     if rank == 0:
         jobs.append(lambda: storage.write(f"{folder}/{INFO}", [text]))
     run_all(lambda job: job(), jobs, len(jobs))
+    # The overlapped copy's verdict (`unbroken.job.overlap`), as late as it may be: after
+    # the write, before the replicas are compared (`Planner.wrote`) and the step commits.
+    if staged.copy is not None and (error := staged.copy.verdict(f"saving step {info.step}")):
+        raise CheckpointError(error)
     where, sizes = out["where"]
     return [_chunks(staged, writes, tags, where, hashed | out["sums"]), sizes, staged.tree]
 

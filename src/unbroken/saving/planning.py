@@ -3,7 +3,8 @@
 Each rank sends rank 0 what it saves (`Comm.planned`); rank 0 surveys every rank's
 blocks (`unbroken.format.write_plan.survey`: the regions several ranks hold are hashed
 before the plan, see `unbroken.saving.checksums`), then, with their checksums, makes the
-write plan (`write_plan.make_plan`) and compares the replicated state (`unbroken.sdc`).
+write plan (`write_plan.make_plan`); once every rank has written, it compares the
+replicated state (`unbroken.sdc`).
 The other ranks get back the keys to hash first, then the keys to write, and never see
 another rank's blocks; each encodes the manifest chunks of what it wrote, which rank 0
 joins into the manifest: a save's metadata costs them O(their
@@ -62,6 +63,7 @@ class Planner:
     rows: list[list[Row]] = field(default_factory=list)  # every block, if sdc compares any
     known: list[Any] = field(default_factory=list)  # each rank's replicated block indices
     plan: WritePlan | None = None
+    sums: list[Sums] = field(default_factory=list)  # every rank's early checksums
     written: list[Any] = field(default_factory=list)  # each rank's write row, for the commit
 
     def layout(self, rows: list[Any]) -> list[Any]:
@@ -91,26 +93,30 @@ class Planner:
 
     def writes(self, sums: list[Sums]) -> list[Any]:
         """From every rank's checksums of its early keys, the plan; each rank's
-        ``[refusal, keys it writes, {key: ranks} for the chunks that name them]``.
-        Replicated state that diverged is named here (`unbroken.sdc`): a refused save
-        is refused on every rank."""
+        ``[keys it writes, {key: ranks} for the chunks that name them]``."""
         assert self.surveyed is not None
         with building():
             self.plan = make_plan(self.surveyed, sums)
+        self.sums = sums
+        plan = self.plan
+        return [[keys, tags] for keys, tags in zip(plan.writes, plan.tags, strict=True)]
+
+    def wrote(self, rows: list[Any]) -> list[Any]:
+        """Keeps what every rank wrote (`pipeline._write`), for the commit, then compares
+        the replicated state (`unbroken.sdc`): only now, once every rank has found its
+        overlapped copy intact, so that a torn copy fails its save as torn, never as a
+        divergent replica. Each rank's refusal, or None: a refused save is refused on
+        every rank, and what they wrote is removed."""
+        self.written = rows
         try:
             blocks = (
-                [_Blocks(r, s) for r, s in zip(self.rows, sums, strict=True)] if self.rows else []
+                [_Blocks(r, s) for r, s in zip(self.rows, self.sums, strict=True)]
+                if self.rows
+                else []
             )
             guard(self.replicated, 0, self.storage, self.step, blocks, self.known)
         except SilentCorruptionError as e:
-            return [[["SilentCorruptionError", str(e)], [], {}]] * len(sums)
-        plan = self.plan
-        return [[None, keys, tags] for keys, tags in zip(plan.writes, plan.tags, strict=True)]
-
-    def wrote(self, rows: list[Any]) -> list[None]:
-        """Keeps what every rank wrote (`pipeline._write`), for the commit; nothing goes
-        back."""
-        self.written = rows
+            return [["SilentCorruptionError", str(e)]] * len(rows)
         return [None] * len(rows)
 
     def manifest(self, world: int, created: float) -> Encoded:
