@@ -204,7 +204,7 @@ def save_plan(world: int, tensors: int) -> tuple[float, float, bytes]:
     _wire([None, [STEP, False, [b.to_json() for b in blocks], []]])
     _, (_, _, early) = json.loads(parts[1])  # as `Comm.scatter` decodes
     _wire([None, {}])
-    _, (_, keys, _) = json.loads(writes[1])
+    _, (keys, _) = json.loads(writes[1])
     if sorted(keys) != sorted(b.key for b in blocks) or early:
         raise AssertionError("save plan: rank 1 was not given its own blocks to write")
     _wire([None, _write_row(blocks, 1)])
