@@ -153,11 +153,14 @@ def test_killed_node_is_replaced_and_the_run_finishes_bitwise(tmp_path, referenc
     names = [e["event"] for e in run["timeline"]["events"]]
     for name in ("node_kill_requested", "node_killed", "node_replaced"):
         assert name in names
-    # Node 1's shared memory is gone, but rank 0 on node 0 holds a replica of its step 13
-    # (the snapshot before the kill): nobody goes back to storage's step 10.
+    # Node 1's shared memory is gone, but rank 0 on node 0 holds a replica of one of its
+    # snapshots: nobody goes back to storage's step 10. Step 13's snapshot is copied at
+    # step 14's optimizer step (overlapped), so under load its replica may still be on
+    # its way when the kill at step 14 lands: then both restore step 12, together.
     again = restarts(run)
     assert {s["rank"] for s in again} == {0, 1}
-    assert {(s["restored"], s["source"]) for s in again} == {(13, "memory")}
+    [(restored, source)] = {(s["restored"], s["source"]) for s in again}
+    assert source == "memory" and restored in (12, 13), (restored, source)
     assert next(s for s in again if s["rank"] == 1)["node"] == "1"  # node i keeps its ranks
     [rec] = run["timeline"]["recoveries"]
     print(f"node loss: recovery {rec['recovery_s']:.2f} s")
