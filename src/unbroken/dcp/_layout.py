@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ def stored_chunk(
     are ``data``: every chunk the DCP writer and the converter store is built here."""
     return Chunk(
         offsets=list(offsets), shape=list(shape), file=file, start=start, end=end,
-        **asdict(block_checksums(data)),
+        **block_checksums(data).fields(),
     )  # fmt: skip
 
 

@@ -111,12 +111,17 @@ class Checksums:
     pieces: list[str] | None = None
     piece_bytes: int | None = None
 
+    def fields(self) -> dict[str, Any]:
+        """As keyword arguments of a `Chunk` (``dataclasses.asdict`` deep-copies: a save
+        calls this for every block)."""
+        return {"xxh3": self.xxh3, "pieces": self.pieces, "piece_bytes": self.piece_bytes}
+
 
 def block_checksums(data: memoryview, piece_bytes: int = PIECE_BYTES) -> Checksums:
     """The checksums of a stored block: every writer of the format computes them here.
 
     >>> chunk = Chunk(offsets=..., shape=..., file=..., start=..., end=...,
-    ...               **asdict(block_checksums(view)))
+    ...               **block_checksums(view).fields())
     """
     if len(data) <= piece_bytes:
         return Checksums(checksum(data))
@@ -286,7 +291,7 @@ def joined(manifest: Manifest, chunks: Mapping[str, list[str]]) -> Encoded:
     sep = (",", ":")
     tensors = ",".join(
         f'{json.dumps(key)}:{{"dtype":{json.dumps(e.dtype)},'
-        f'"shape":{json.dumps(e.shape, separators=sep)},"chunks":[{",".join(chunks[key])}]}}'
+        f'"shape":{_COMPACT.encode(e.shape)},"chunks":[{",".join(chunks[key])}]}}'
         for key, e in manifest.tensors.items()
     )
     m = manifest

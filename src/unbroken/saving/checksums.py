@@ -12,7 +12,6 @@ its replicated state first, as it must."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
 from typing import Any, Protocol
 
 import torch
@@ -69,7 +68,7 @@ def checksums(
             assert beside is not None
             beside()
         else:
-            sums[key] = asdict(block_checksums(byte_view(staged.blocks[index[key]])))
+            sums[key] = block_checksums(byte_view(staged.blocks[index[key]])).fields()
 
     first: list[str | None] = [None] if beside is not None else []
     todo = first + sorted({staged.aliases.get(k, k) for k in keys})
