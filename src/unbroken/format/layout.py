@@ -288,17 +288,16 @@ def joined(manifest: Manifest, chunks: Mapping[str, list[str]]) -> Encoded:
     (`Chunk.to_text`), ``manifest.tensors`` giving the order and the tensors' dtype and
     shape: the bytes `Manifest.to_json` writes, without a `Chunk` per block (a save's
     manifest, on rank 0, of every block of the job)."""
-    sep = (",", ":")
     tensors = ",".join(
         f'{json.dumps(key)}:{{"dtype":{json.dumps(e.dtype)},'
         f'"shape":{_COMPACT.encode(e.shape)},"chunks":[{",".join(chunks[key])}]}}'
         for key, e in manifest.tensors.items()
     )
     m = manifest
-    head = json.dumps({"format": FORMAT, "step": m.step, "world_size": m.world_size,
-                       "created": m.created}, separators=sep)  # fmt: skip
-    tail = json.dumps({"objects": m.objects, "rank_objects": m.rank_objects, "files": m.files,
-                       "version": m.version}, separators=sep)  # fmt: skip
+    head = _COMPACT.encode({"format": FORMAT, "step": m.step, "world_size": m.world_size,
+                            "created": m.created})  # fmt: skip
+    tail = _COMPACT.encode({"objects": m.objects, "rank_objects": m.rank_objects,
+                            "files": m.files, "version": m.version})  # fmt: skip
     text = f'{head[:-1]},"tensors":{{{tensors}}},{tail[1:]}'
     return Encoded(step=m.step, data=text.encode())
 
