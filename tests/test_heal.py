@@ -35,13 +35,17 @@ TRAIN = Path(__file__).with_name("train_job.py")
 
 def launch(tmp: Path, *options: str, job: tuple[str, ...] = ("--in-process", "--heal")) -> dict:
     """`python -m unbroken.run OPTIONS train_job.py JOB`: final parameters, timeline and
-    the start records of every rank and generation."""
+    the start records of every rank and generation. In-process launches take warm spares,
+    as the storm's (c) runs: the ranks and their replacements are forked from one process
+    that imported torch, not four (about a third of this file's run time here); the cold
+    start is tests/test_inprocess.py's."""
     out = tmp / "out"
     out.mkdir(parents=True)
     timeline = tmp / "timeline.json"
     cmd = [
         sys.executable, "-m", "unbroken.run", f"--timeline-json={timeline}", *options,
-        "--max-restarts=2", str(TRAIN), *job, f"--ckpt={tmp / 'ckpt'}", f"--out={out}",
+        *(["--warm-spare"] if "--in-process" in options else []), "--max-restarts=2",
+        str(TRAIN), *job, f"--ckpt={tmp / 'ckpt'}", f"--out={out}",
         f"--steps={STEPS}", f"--save-every={SAVE_EVERY}", "--replicas=1",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_MEMORY_DIR": str(tmp / "shm")}

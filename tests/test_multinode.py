@@ -83,6 +83,7 @@ class Cluster:
             "-m",
             "unbroken.run",
             "--in-process",
+            "--warm-spare",  # ranks forked from one import per node, as the storm runs
             f"--nnodes={NODES}",
             f"--nproc-per-node={LOCAL}",
             *([f"--node-rank={node}"] if node is not None else []),
