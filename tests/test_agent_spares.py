@@ -17,7 +17,7 @@ def test_ranks_from_spares_still_importing_are_no_hang(tmp_path: Path, reference
     past the 2 s heartbeat timeout). Such a spare is judged hung only once its CPU time
     stands still: it was judged from its assignment, found hung, and the first
     generation aborted (bench/storm.py's (c) start)."""
-    c = Cluster(tmp_path, "--warm-spare", "--heartbeat-timeout=2")
+    c = Cluster(tmp_path, "--heartbeat-timeout=2")  # warm spares: every Cluster's
     try:
         c.agent(None)
         c.agent(None)

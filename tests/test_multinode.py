@@ -40,10 +40,14 @@ def log_fd(path: Path) -> int:
 
 
 class Cluster:
-    """A coordinator and the node agents of one job, all on loopback."""
+    """A coordinator and the node agents of one job, all on loopback. The agents take
+    warm spares (``--warm-spare``), as the storm's (c) runs: each node's ranks are forked
+    from one process that imported torch, not one import per rank (about a third of the
+    CPU of a run here); ``warm=False`` starts every rank cold."""
 
-    def __init__(self, tmp: Path, *options: str, steps: int = STEPS) -> None:
-        self.tmp, self.options, self.steps = tmp, options, steps
+    def __init__(self, tmp: Path, *options: str, steps: int = STEPS, warm: bool = True) -> None:
+        self.tmp, self.steps = tmp, steps
+        self.options = ("--warm-spare", *options) if warm else options
         self.job = f"mn-{uuid.uuid4().hex[:8]}"
         self.out = tmp / "out"
         self.out.mkdir(parents=True)
@@ -83,7 +87,6 @@ class Cluster:
             "-m",
             "unbroken.run",
             "--in-process",
-            "--warm-spare",  # ranks forked from one import per node, as the storm runs
             f"--nnodes={NODES}",
             f"--nproc-per-node={LOCAL}",
             *([f"--node-rank={node}"] if node is not None else []),
@@ -164,8 +167,8 @@ class Cluster:
 def cluster(tmp_path: Path) -> Iterator[type[Cluster]]:
     made: list[Cluster] = []
 
-    def make(*options: str) -> Cluster:
-        made.append(Cluster(tmp_path / f"run-{len(made)}", *options))
+    def make(*options: str, warm: bool = True) -> Cluster:
+        made.append(Cluster(tmp_path / f"run-{len(made)}", *options, warm=warm))
         return made[-1]
 
     yield make  # type: ignore[misc]
@@ -238,8 +241,8 @@ def test_survivors_wait_for_a_slow_replacement_without_a_false_hang(cluster, ref
     """Node 1 is lost and its replacement comes only after 4 heartbeat timeouts (a new
     pod on a real cluster takes minutes): the survivors hold their state and wait,
     beating, so no watchdog calls them hung and none is restarted; the job heals from
-    live replicas, bitwise."""
-    c = cluster("--heartbeat-timeout=2", "--inject-fault=kill-node node=1 step=11")
+    live replicas, bitwise. Cold: the replacement's ranks each import torch as they start."""
+    c = cluster("--heartbeat-timeout=2", "--inject-fault=kill-node node=1 step=11", warm=False)
     c.agent(0)
     c.agent(1)
     lose_node(c, 1, then=lambda: time.sleep(8.0))
@@ -260,8 +263,9 @@ def test_two_faults_in_a_row_bitwise(cluster, reference):
 @pytest.mark.timeout(120)
 def test_fault_during_recovery_bitwise(cluster, reference):
     """Node 1 is lost; before its replacement joins, rank 0 (node 0) dies too: the next
-    generation replaces ranks 0, 2 and 3, and rank 1 keeps its process."""
-    c = cluster("--inject-fault=kill-node node=1 step=11")
+    generation replaces ranks 0, 2 and 3, and rank 1 keeps its process. Cold: every rank
+    starts as a process of its own."""
+    c = cluster("--inject-fault=kill-node node=1 step=11", warm=False)
     c.agent(0)
     c.agent(1)
 

@@ -100,7 +100,7 @@ def coordinator_log(c: Cluster) -> str:
 def test_a_stopped_node_is_lost_in_under_a_second_heals_losing_nothing_and_stays_out(
     cluster, reference
 ):
-    c = cluster("--warm-spare")
+    c = cluster()  # with warm spares, as every Cluster
     c.agent(0)
     c.agent(1)
     c.wait_for(lambda: all("node agent" in (c.tmp / f"agent-{i}.err").read_text() for i in (0, 1)))
