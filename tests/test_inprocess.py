@@ -232,6 +232,10 @@ def test_a_rank_stopped_before_its_first_beat_is_found_and_replaced(tmp_path, re
     assert spare not in {s["pid"] for s in run["starts"]}, "the stopped spare never started"
     assert len({s["pid"] for s in starts_of(run, 0)}) == 1, "the healthy rank kept its process"
     assert len({s["pid"] for s in starts_of(run, 1)}) == 2
+    recoveries = run["timeline"]["recoveries"]
+    assert all(r["warm_spares"] == len(r["respawned"]) for r in recoveries), (
+        "killing the stopped spare killed its template: the replacements started cold"
+    )
 
 
 def forked_by(template: int) -> list[int]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.run import contract, listen
+from unbroken.run.procs import kill_tree
 from unbroken.run.spare import Spares
 
 
@@ -69,6 +70,7 @@ def test_spares_are_forked_from_one_template_that_imports_once(tmp_path):
         assert spares.template is not None
         template = spares.template.proc.pid
         assert [_parent(pid) for pid in pids] == [template, template]
+        assert [os.getsid(pid) for pid in pids] == pids, "each spare in a session of its own"
         assert imports.read_text().split() == [str(template)], "heavy not imported in advance"
         first, second = spares.idle
         taken = [spares.take(), spares.take(), spares.take()]
@@ -109,6 +111,44 @@ def test_a_killed_spare_and_a_killed_template_are_seen_as_ended():
         assert spares.take() is None, "no template: no spare (the caller starts one cold)"
     finally:
         spares.stop()
+
+
+@pytest.mark.timeout(30)
+def test_killing_a_tree_spares_a_live_group_leader_outside_it():
+    """`kill_tree` of a process still in its parent's process group (a spare forked a
+    moment ago, before it took its own session) kills that process, not the group: the
+    group's leader (the template) and its other members live on."""
+    child = "import os, time; os.fork(); time.sleep(60)"  # two members of the group
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]);"
+    leader = subprocess.Popen(
+        [sys.executable, "-c", code + "time.sleep(60)"], start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while len(members := _group(leader.pid)) < 3:
+            assert time.monotonic() < deadline, "the group never formed"
+            time.sleep(0.05)
+        victim = next(p for p in members if p != leader.pid and _parent(p) == leader.pid)
+        killed = kill_tree(victim)
+        assert len(killed) == 2 and leader.pid not in killed
+        time.sleep(0.2)
+        assert _alive(leader.pid), "the template's group was killed with its spare"
+        assert not any(_alive(p) for p in killed)
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+
+
+def _group(pgid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
 
 
 @pytest.mark.timeout(60)

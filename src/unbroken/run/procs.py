@@ -25,11 +25,16 @@ def kill_tree(pid: int) -> list[int]:
     """SIGKILL ``pid`` and every process below it, like a machine losing power.
 
     torchrun starts workers in sessions of their own, so the tree is collected first
-    (from /proc) and every process and process group in it is killed."""
+    (from /proc) and every process in it is killed, with each process group it leads.
+    A group led by a live process outside the tree is spared: a spare forked by a
+    template is in the template's group until it takes its own session, and killing
+    that group would kill the template and every rank it forked."""
     pids = [pid, *descendants(pid)]
     for p in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(os.getpgid(p), signal.SIGKILL)
+            group = os.getpgid(p)
+            if group in pids or not alive(group):
+                os.killpg(group, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(p, signal.SIGKILL)
     return pids

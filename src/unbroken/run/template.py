@@ -144,6 +144,7 @@ def serve(report: int) -> dict[str, Any] | None:
                 sys.stdout.flush()
                 pid = os.fork()
                 if pid == 0:  # the spare: none of the template's signal handling
+                    os.setsid()  # first, so killing its group never kills the template
                     signal.set_wakeup_fd(-1)
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     sel.close()
@@ -166,12 +167,11 @@ def _reap(report: int) -> None:
 
 
 def shed(request: dict[str, Any]) -> None:
-    """In a forked child: shed the template's input, take the spare's own session and
-    environment (then `unbroken.run.spare.become` makes it the spare)."""
+    """In a forked child (already in a session of its own): shed the template's input,
+    take the spare's own environment (then `unbroken.run.spare.become` makes it the spare)."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    os.setsid()
     os.environ.clear()
     os.environ.update(request["env"])
     numpy = sys.modules.get("numpy")
