@@ -106,7 +106,9 @@ def starts_of(run: dict, rank: int) -> list[dict]:
     )
 
 
-def check_recovery(run: dict, fault: str, step: int, replaced: int = 1) -> dict:
+def check_recovery(
+    run: dict, fault: str, step: int, replaced: int = 1, restored: int | None = None
+) -> dict:
     [rec] = run["timeline"]["recoveries"]
     assert rec["fault"] == fault and rec["fault_step"] == step
     assert rec["generation"] == 1 and rec["respawned"] == [replaced]
@@ -114,7 +116,8 @@ def check_recovery(run: dict, fault: str, step: int, replaced: int = 1) -> dict:
     times = [rec[k] for k in order]
     assert None not in times and times == sorted(times), rec
     # tick() comes before snapshot(): the newest snapshot is the step before the fault.
-    assert rec["first_step"] == step and rec["steps_redone"] == 1
+    restored = step - 1 if restored is None else restored
+    assert rec["first_step"] == restored + 1 and rec["steps_redone"] == step - restored
     return rec
 
 
@@ -154,11 +157,13 @@ def test_killed_node_is_replaced_from_replicas_in_process_bitwise(tmp_path, refe
     assert first["pid"] == again["pid"], "node 0's rank kept its process"
     old, new = starts_of(run, 1)
     assert old["pid"] != new["pid"] and new["node"] == "1"
-    # Node 1's memory is gone: rank 1 gets step 13 back from rank 0's replica, rank 0 from
-    # its own memory; nobody goes back to storage's step 10.
-    assert (new["restored"], new["source"]) == (step - 1, "replica")
-    assert again["restored"] == step - 1 and again["source"] in ("memory", "replica")
-    rec = check_recovery(run, f"kill-node node=1 step={step}", step)
+    # Node 1's memory is gone: rank 1 gets its step back from rank 0's replica, rank 0 from
+    # its own memory; nobody goes back to storage's step 10. The kill lands after
+    # snapshot(13) returned, so that step is 13 or 12 (docs/guarantees.md): the replica
+    # of 13 is still in flight when a loaded machine makes the kill first.
+    assert new["source"] == "replica" and new["restored"] in (step - 1, step - 2)
+    assert again["restored"] == new["restored"] and again["source"] in ("memory", "replica")
+    rec = check_recovery(run, f"kill-node node=1 step={step}", step, restored=new["restored"])
     assert rec["detected_by"] == "node_kill_requested"
     print(f"\nkill-node: {json.dumps(rec)}\nrun {run['seconds']:.1f} s")
 
