@@ -81,16 +81,18 @@ def table(results: list[dict[str, Any]], cfg: Config, save_every: int) -> None:
         f"seconds; badput by cause from the ranks' step events; (a), (b) save every "
         f"{save_every} steps; node replacement after {cfg.replace_delay:g} s; hang timeout "
         f"{cfg.hang_timeout:g} s, (b) and (c) within {cfg.hang_factor:g}x a rank's longest "
-        "heartbeat gap",
+        "heartbeat gap; slower: productive time beyond (e)'s mean step, over as many steps",
         [("method", "left"), ("wall", "right"), ("vs (e)", "right"), ("goodput", "right"),
          ("simulated", "right"),
-         *((c, "right") for c in causes), ("redone", "right"), ("faults", "right"),
+         *((c, "right") for c in causes), ("slower", "right"), ("redone", "right"),
+         ("faults", "right"),
          ("bitwise", "left")],
     )  # fmt: skip
     ref = results[0]["wall_s"]
     for r in results:
-        if "failed" in r:
-            t.add_row(r["label"], "failed", r["failed"])
+        if "failed" in r:  # the reason in the last column, as wide as it already is
+            blank = [""] * (len(causes) + 5)
+            t.add_row(r["label"], "failed", *blank, str(len(r["faults"])), r["failed"])
             continue
         bitwise = "-" if "final_bitwise" not in r else (
             f"params {'yes' if r['final_bitwise'] else 'no'}, losses "
@@ -99,7 +101,8 @@ def table(results: list[dict[str, Any]], cfg: Config, save_every: int) -> None:
         t.add_row(
             r["label"], f"{r['wall_s']:.1f}", f"{ref / r['wall_s']:.1%}", f"{r['goodput']:.1%}",
             f"{r['predicted_goodput']:.1%}" if "predicted_goodput" in r else "-",
-            *(f"{r['badput_s'][c]:.1f}" for c in causes), str(r["steps_recomputed"]),
+            *(f"{r['badput_s'][c]:.1f}" for c in causes),
+            f"{r['slower_s']:.1f}", str(r["steps_recomputed"]),
             str(len(r["faults"])), bitwise,
         )  # fmt: skip
     show(200, t)
@@ -183,6 +186,9 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(where, ignore_errors=True)
+    for r in results:
+        if "productive" in r:
+            r["slower_s"] = round(storm_report.slower(r, results[0]), 2)
     table(results, cfg, save_every)
     if args.plot:
         plot(results, runs, args.plot)

@@ -8,7 +8,9 @@ step events in time order is a completion. Time from a fault, or from a restart'
 same step replaced was lost work (recomputation); a step's checkpoint calls are
 checkpoint time; the first completion's wait from the launch is start-up; the rest of a
 kept step's time is productive. Steps more than 3x the median long with no fault inside
-are counted as stalls."""
+are counted as stalls. Productive time beyond the reference's own step time, over as
+many steps, is counted apart as ``slower`` (`slower`): steps that background work, or
+another process on the same cores, slowed down."""
 
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ def account(events: list[dict[str, Any]], faults: list[dict[str, Any]], t0: floa
     typical = statistics.median(gaps) if gaps else 0.0
     fault_times = [f["t"] for f in faults]
     spent = dict.fromkeys(("productive", *CAUSES), 0.0)
+    productive_steps = 0
     before, restarted = t0, True  # the launch is a start
     for i, e in enumerate(steps):
         dt = e["t"] - before
@@ -68,6 +71,7 @@ def account(events: list[dict[str, Any]], faults: list[dict[str, Any]], t0: floa
         else:
             spent["checkpoint"] += min(e["ckpt_s"], dt)
             spent["productive"] += dt - min(e["ckpt_s"], dt)
+            productive_steps += 1
         before, restarted = e["t"], False
     wall = events[-1]["t"] - t0
     return {
@@ -77,7 +81,15 @@ def account(events: list[dict[str, Any]], faults: list[dict[str, Any]], t0: floa
         "steps_recomputed": len(steps) - len(lasts),
         "observer_rank": rank,
         "median_step_s": round(typical, 4),
+        "productive": {"s": spent["productive"], "steps": productive_steps},
     }
+
+
+def slower(result: dict[str, Any], reference: dict[str, Any]) -> float:
+    """Seconds of ``result``'s productive time beyond the reference's mean productive
+    step, over as many steps: what slower steps cost, not counted under any cause."""
+    mine, ref = result["productive"], reference["productive"]
+    return mine["s"] - mine["steps"] * ref["s"] / max(1, ref["steps"])
 
 
 def kept_losses(events: list[dict[str, Any]]) -> dict[tuple[int, int], float]:

@@ -55,3 +55,8 @@ def test_every_second_goes_to_one_cause(result):
     assert result["e"]["badput_s"]["recovery"] == 0 and result["e"]["faults"] == []
     assert result["c"]["badput_s"]["recovery"] > 0
     assert 0 < result["c"]["predicted_goodput"] <= 1
+    # Productive time splits into steps at (e)'s pace and the time slower steps took.
+    e, c = result["e"]["productive"], result["c"]["productive"]
+    assert abs(result["e"]["slower_s"]) < 0.01
+    at_pace = c["steps"] * e["s"] / e["steps"]
+    assert abs(at_pace + result["c"]["slower_s"] - c["s"]) < 0.01
