@@ -281,6 +281,9 @@ def test_a_finished_rank_is_reported_at_its_last_step_not_its_last_heartbeat(
         def kill_node(self, node: int) -> None:
             raise AssertionError("no node to kill")
 
+        def live_pids(self) -> list[int]:
+            return []
+
     Watch(str(tmp_path), timeline, Pace(60.0), Hooks()).poll()
     [exit_event] = [e for e in timeline.events if e["event"] == "worker_exit"]
     assert exit_event["step"] == 20

@@ -362,6 +362,9 @@ class Hooks:
     def kill_node(self, node: int) -> None:
         raise AssertionError("no node to kill")
 
+    def live_pids(self) -> list[int]:
+        return []
+
 
 @pytest.mark.parametrize("closed_ago, hung", [(1.0, False), (6.0, True), (None, True)])
 def test_the_watchdog_lets_a_closing_process_shut_down_for_a_while(tmp_path, closed_ago, hung):

@@ -63,6 +63,23 @@ def alive(pid: int) -> bool:
     return fields is not None and fields[0] not in ("Z", "X")
 
 
+def stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: it runs nothing until continued."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] in ("T", "t")
+
+
+def rank_of(pid: int) -> int | None:
+    """The ``RANK`` ``pid`` was started with (torchrun's workers, cold ranks); None if none."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return None
+    found = [item[5:] for item in items if item.startswith(b"RANK=")]
+    return int(found[0]) if found and found[0].isdigit() else None
+
+
 def cpu_ticks(pid: int) -> int | None:
     """The CPU time ``pid`` used so far (user and system, in clock ticks); None if gone."""
     fields = _stat(pid)

@@ -17,11 +17,12 @@ from typing import Any, NamedTuple, Protocol
 from unbroken.access import Access
 from unbroken.run import contract, reached
 from unbroken.run.pace import Pace
-from unbroken.run.procs import alive, cpu_ticks
+from unbroken.run.procs import alive, cpu_ticks, descendants, rank_of, stopped
 from unbroken.run.timeline import Timeline
 
 CLOSE_GRACE = 10  # heartbeat timeouts a process may take to shut down after closing
 BUSY_S = 1.0  # a spare taken while importing is hung once its CPU time stood still this long
+STOPPED_EVERY_S = 1.0  # how often the workers' process trees are read for stopped ones
 
 
 class Stale(NamedTuple):
@@ -54,6 +55,11 @@ class WatchHooks(Protocol):
         """A worker asked for simulated node ``node`` to die (a kill-node fault)."""
         ...
 
+    def live_pids(self) -> list[int]:
+        """The processes the launch started that still run: the workers are among them
+        or below them."""
+        ...
+
 
 class Watch:
     """Polls ``directory`` for ``hooks``, recording what it sees in ``timeline``;
@@ -72,6 +78,8 @@ class Watch:
         self.finished: dict[int, int] = {}  # pid -> rank: train() returned, exiting
         self.closing: dict[int, float] = {}  # pid -> when its Checkpointer closed
         self.importing: dict[int, tuple[float, int, float]] = {}  # see `expect`, `_busy`
+        self.halted: dict[int, tuple[int, float]] = {}  # pid -> rank, first seen stopped
+        self.looked = float("-inf")  # when the process trees were last read (`check_stopped`)
         self.last_kill = float("-inf")  # monotonic
         self.offsets: dict[str, int] = {}  # events file -> bytes read
         timeline.log = os.path.join(directory, contract.LAUNCHER_EVENTS)
@@ -81,6 +89,7 @@ class Watch:
         self.read_events()
         self.handle_node_requests()
         self.check_heartbeats()
+        self.check_stopped()
 
     def ignore(self, pid: int) -> None:
         """Never judge ``pid`` hung (killed already, or done training)."""
@@ -170,6 +179,34 @@ class Watch:
                 and not self._busy(pid, t, now)
             ):
                 stale.append(Stale(step, t, rank, pid))
+        if stale and time.monotonic() - self.last_kill > self.timeout:
+            self.hooks.on_hang(stale, now)
+
+    def check_stopped(self) -> None:
+        """A worker stopped (SIGSTOP, a tracer) past its hang limit is hung, beat or no
+        beat: one stopped while it starts has no beat to be judged by until
+        `contract.FIRST_STEP_S` has passed, and torchrun's shutdown would wait 30 s for it
+        to act on its SIGTERM. Stopped is not waiting: a rank waiting for its peers sleeps,
+        and is never judged here."""
+        now = time.time()
+        if not self.timeout or now - self.looked < STOPPED_EVERY_S:
+            return
+        self.looked = now
+        ranks = {beat.pid: rank for rank, beat in self.beats.items()}
+        halted = {}
+        for root in self.hooks.live_pids():
+            for pid in (root, *descendants(root)):
+                if pid in self.ignored or not stopped(pid):
+                    continue
+                rank = ranks[pid] if pid in ranks else rank_of(pid)
+                if rank is not None:  # a worker, not an agent or a template
+                    halted[pid] = (rank, self.halted.get(pid, (rank, now))[1])
+        self.halted = halted
+        stale = [
+            Stale(self.beats[rank].step if rank in self.beats else -1, since, rank, pid)
+            for pid, (rank, since) in halted.items()
+            if now - since > self.pace.limit(rank)
+        ]
         if stale and time.monotonic() - self.last_kill > self.timeout:
             self.hooks.on_hang(stale, now)
 
