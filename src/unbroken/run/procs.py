@@ -42,6 +42,15 @@ def kill_tree(pid: int) -> list[int]:
 
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid``: children, their children, and so on."""
+    return _below(_children(), [pid])
+
+
+def trees(roots: list[int]) -> list[int]:
+    """``roots`` and every process below them, from one read of /proc."""
+    return [*roots, *_below(_children(), roots)]
+
+
+def _children() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -49,7 +58,11 @@ def descendants(pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue  # exited while we looked
         children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
+    return children
+
+
+def _below(children: dict[int, list[int]], roots: list[int]) -> list[int]:
+    found, todo = [], list(roots)
     while todo:
         kids = children.get(todo.pop(), [])
         found += kids

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Protocol
 from unbroken.access import Access
 from unbroken.run import contract, reached
 from unbroken.run.pace import Pace
-from unbroken.run.procs import alive, cpu_ticks, descendants, rank_of, stopped
+from unbroken.run.procs import alive, cpu_ticks, rank_of, stopped, trees
 from unbroken.run.timeline import Timeline
 
 CLOSE_GRACE = 10  # heartbeat timeouts a process may take to shut down after closing
@@ -194,13 +194,12 @@ class Watch:
         self.looked = now
         ranks = {beat.pid: rank for rank, beat in self.beats.items()}
         halted = {}
-        for root in self.hooks.live_pids():
-            for pid in (root, *descendants(root)):
-                if pid in self.ignored or not stopped(pid):
-                    continue
-                rank = ranks[pid] if pid in ranks else rank_of(pid)
-                if rank is not None:  # a worker, not an agent or a template
-                    halted[pid] = (rank, self.halted.get(pid, (rank, now))[1])
+        for pid in trees(self.hooks.live_pids()):  # one read of /proc for them all
+            if pid in self.ignored or not stopped(pid):
+                continue
+            rank = ranks[pid] if pid in ranks else rank_of(pid)
+            if rank is not None:  # a worker, not an agent or a template
+                halted[pid] = (rank, self.halted.get(pid, (rank, now))[1])
         self.halted = halted
         stale = [
             Stale(self.beats[rank].step if rank in self.beats else -1, since, rank, pid)
