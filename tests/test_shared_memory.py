@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from unbroken import Checkpointer, CheckpointError, CorruptCheckpointError
-from unbroken.format.layout import checksum
+from unbroken.format.layout import Manifest, checksum
 from unbroken.memory.paths import clean_abandoned, folder_name, job_name
 from unbroken.memory.tier import MemoryTier
 from unbroken.run.contract import owner_text
@@ -181,3 +182,37 @@ def test_a_job_that_ends_normally_frees_its_shared_memory_and_a_crash_keeps_it(t
         assert left == [], left  # nothing left behind in /dev/shm
     else:
         assert len(left) == 1 and len(list((shm / left[0]).glob("rank-*/slot-*.bin"))) == 2
+
+
+def test_a_leftover_folder_goes_once_no_rank_writes_it_and_a_written_one_is_not_parsed(
+    tmp_path, monkeypatch
+):
+    """`MemoryTier.free_older`, after every snapshot: a folder some live rank wrote since
+    the last call is kept without parsing its manifests (milliseconds each, at every
+    snapshot of every rank on the node); once nobody writes it, its steps are read, and
+    it goes when they are all older than the complete step."""
+    shm = tmp_path / "shm"
+    ckpt = Checkpointer(tmp_path / "ckpt", memory=True, memory_dir=str(shm), job="j")
+    for step in (1, 2):
+        ckpt.snapshot(step, {"w": torch.full((4,), float(step))})
+    ckpt.wait()
+    tier = MemoryTier(str(shm), "j", 0, 1)
+    leftover = os.path.join(tier.root, "replicas", "rank-00000")
+    shutil.copytree(tier.own.dir, leftover)  # as a replica this node no longer keeps
+    parsed: list[str] = []
+    real = Manifest.from_json
+
+    def counted(*args, **kwargs):
+        parsed.append(str(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(Manifest, "from_json", counted)
+    assert tier.free_older(2) == [] and parsed  # first look: it holds step 2
+    parsed.clear()
+    slot = next(p for p in sorted(os.listdir(leftover)) if p.endswith(".json"))
+    shutil.copy(os.path.join(leftover, slot), os.path.join(leftover, "new"))
+    os.replace(os.path.join(leftover, "new"), os.path.join(leftover, slot))  # a writer
+    assert tier.free_older(5) == [] and parsed == []  # written since: some rank's
+    assert tier.free_older(5) == [leftover] and parsed  # unchanged: read, older, freed
+    assert not os.path.exists(leftover) and os.path.isdir(tier.own.dir)
+    ckpt.close()

@@ -72,6 +72,7 @@ class Slots:
         self.kept: int | None = None  # the newest one the peers hold too (see `keep`)
         self._newest_known = False  # found on first write: verifying slots costs a pass
         self._steps: dict[int, tuple[tuple[int, ...], int | None]] = {}  # see `steps`
+        self._seen: dict[int, tuple[int, ...]] | None = None  # see `written`
 
     def _path(self, slot: int, ext: str) -> str:
         return os.path.join(self.dir, f"slot-{slot}.{ext}")
@@ -176,12 +177,7 @@ class Slots:
         changed: a snapshot asks for every copy's (`MemoryTier.free_older`), and parsing
         them all took a rank 2 % of its CPU at a snapshot every 10 steps."""
         found = set()
-        for slot in range(self.count):
-            try:  # a slot is rewritten by replacing its files: new inodes
-                text, data = os.lstat(self._path(slot, "json")), os.lstat(self._path(slot, "bin"))
-            except OSError:
-                continue
-            key = (text.st_ino, text.st_mtime_ns, text.st_size, data.st_ino, data.st_size)
+        for slot, key in self._keys().items():
             known = self._steps.get(slot)
             if known is None or known[0] != key:
                 manifest = self._load(slot)
@@ -189,6 +185,27 @@ class Slots:
             if known[1] is not None:
                 found.add(known[1])
         return found
+
+    def written(self) -> bool:
+        """Whether a slot's files changed since the last call (False on the first): a
+        process still writes here, so nothing here is stale, and no manifest is parsed
+        to know it (a parse is milliseconds for a few hundred tensors, at each snapshot
+        of every rank on the node)."""
+        keys = self._keys()
+        seen, self._seen = self._seen, keys
+        return seen is not None and keys != seen
+
+    def _keys(self) -> dict[int, tuple[int, ...]]:
+        """The files of each slot that has both, as lstat sees them: a slot is rewritten
+        by replacing its files, so new inodes."""
+        keys: dict[int, tuple[int, ...]] = {}
+        for slot in range(self.count):
+            try:
+                text, data = os.lstat(self._path(slot, "json")), os.lstat(self._path(slot, "bin"))
+            except OSError:
+                continue
+            keys[slot] = (text.st_ino, text.st_mtime_ns, text.st_size, data.st_ino, data.st_size)
+        return keys
 
     def verified(self, step: int) -> Manifest:
         """The manifest of the slot holding ``step``, once every block has matched its
@@ -331,11 +348,12 @@ class MemoryTier:
         """Remove every other folder of this job whose snapshots are all older than
         ``step``, once ``step`` is complete (every rank holds it, replicas included):
         folders left by ranks renumbered on a restart, replicas of ranks this node no
-        longer keeps. No current rank needs them; they would double the memory."""
+        longer keeps. No current rank needs them; they would double the memory. A folder
+        written since the last call is some live rank's: kept without a look inside."""
         removed = []
         for copies in self.copies().values():
             for slots in copies:
-                if slots is self.own or any(s >= step for s in slots.steps()):
+                if slots is self.own or slots.written() or any(s >= step for s in slots.steps()):
                     continue
                 shutil.rmtree(slots.dir, ignore_errors=True)
                 self._others.pop(slots.dir, None)
