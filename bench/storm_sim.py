@@ -4,12 +4,12 @@ that run's own fault schedule, predicts the method's goodput, to set beside the
 measured one.
 
 What the model is given, from the run: each fault kind's time from the fault to the next
-completed step (the median over the run's faults of that kind: detection, restart,
-restore and the first step lumped into "detection"), the checkpoint stall and its
-interval in steps ((a): DCP's saves; (b): the snapshots, which bound the lost work; (c):
-``Checkpointer.step`` every step, with live healing losing at most the step in flight),
-the step time and the start-up before the first step. What it leaves out is in
-docs/simulation.md."""
+completed step (the mean over the run's faults of that kind, as a goodput adds times:
+detection, restart, restore and the first step lumped into "detection"), the checkpoint
+stall and its interval in steps ((a): DCP's saves; (b): the snapshots, which bound the
+lost work; (c): ``Checkpointer.step`` every step, with live healing losing at most the
+step in flight), the step time and the start-up before the first step. What it leaves
+out is in docs/simulation.md."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ INTERVAL = {"a": None, "b": 5, "c": 1}  # steps between what bounds the lost wor
 
 
 def recoveries(events: list[dict[str, Any]], faults: list[dict[str, Any]], rank: int) -> dict:
-    """Per fault kind, the median time from a fault to the observer's next step."""
+    """Per fault kind, the mean time from a fault to the observer's next step: a goodput
+    adds times, and the median drops the costly ones (a crash inside another fault's
+    recovery took (a) 23 s, where its other crashes took 12 s)."""
     steps = [e["t"] for e in events if e["event"] == "step" and e["rank"] == rank]
     restores = [e["t"] for e in events if e["event"] == "restored" and e["rank"] == rank]
     by: dict[str, list[float]] = {}
@@ -37,8 +39,8 @@ def recoveries(events: list[dict[str, Any]], faults: list[dict[str, Any]], rank:
         if after:
             by.setdefault(KIND[f["kind"]], []).append(after[0] - f["t"])
     everything = [s for times in by.values() for s in times]
-    fallback = statistics.median(everything) if everything else 0.0
-    return {k: statistics.median(by[k]) if k in by else fallback for k in KIND.values()}
+    fallback = statistics.fmean(everything) if everything else 0.0
+    return {k: statistics.fmean(by[k]) if k in by else fallback for k in KIND.values()}
 
 
 def predict(
