@@ -91,7 +91,7 @@ def table(results: list[dict[str, Any]], cfg: Config, save_every: int) -> None:
     ref = results[0]["wall_s"]
     for r in results:
         if "failed" in r:  # the reason in the last column, as wide as it already is
-            blank = [""] * (len(causes) + 5)
+            blank = [""] * (len(t.columns) - 4)  # all but method, wall, faults, bitwise
             t.add_row(r["label"], "failed", *blank, str(len(r["faults"])), r["failed"])
             continue
         bitwise = "-" if "final_bitwise" not in r else (

@@ -72,7 +72,7 @@ class Slots:
         self.kept: int | None = None  # the newest one the peers hold too (see `keep`)
         self._newest_known = False  # found on first write: verifying slots costs a pass
         self._steps: dict[int, tuple[tuple[int, ...], int | None]] = {}  # see `steps`
-        self._seen: dict[int, tuple[int, ...]] | None = None  # see `written`
+        self._seen: dict[int, tuple[int, ...]] | None = None  # see `older`
 
     def _path(self, slot: int, ext: str) -> str:
         return os.path.join(self.dir, f"slot-{slot}.{ext}")
@@ -176,8 +176,22 @@ class Slots:
         """The steps of `whole`. A slot's manifest is parsed again only once its files
         changed: a snapshot asks for every copy's (`MemoryTier.free_older`), and parsing
         them all took a rank 2 % of its CPU at a snapshot every 10 steps."""
+        return self._steps_of(self._keys())
+
+    def older(self, step: int) -> bool:
+        """Whether every snapshot here is older than ``step`` and no slot's files changed
+        since the last call: a folder written since is some live rank's, and is not
+        looked into (a parse is milliseconds for a few hundred tensors, at each snapshot
+        of every rank on the node). The first call judges by the steps alone."""
+        keys = self._keys()
+        seen, self._seen = self._seen, keys
+        if seen is not None and keys != seen:
+            return False
+        return all(s < step for s in self._steps_of(keys))
+
+    def _steps_of(self, keys: dict[int, tuple[int, ...]]) -> set[int]:
         found = set()
-        for slot, key in self._keys().items():
+        for slot, key in keys.items():
             known = self._steps.get(slot)
             if known is None or known[0] != key:
                 manifest = self._load(slot)
@@ -185,15 +199,6 @@ class Slots:
             if known[1] is not None:
                 found.add(known[1])
         return found
-
-    def written(self) -> bool:
-        """Whether a slot's files changed since the last call (False on the first): a
-        process still writes here, so nothing here is stale, and no manifest is parsed
-        to know it (a parse is milliseconds for a few hundred tensors, at each snapshot
-        of every rank on the node)."""
-        keys = self._keys()
-        seen, self._seen = self._seen, keys
-        return seen is not None and keys != seen
 
     def _keys(self) -> dict[int, tuple[int, ...]]:
         """The files of each slot that has both, as lstat sees them: a slot is rewritten
@@ -353,7 +358,7 @@ class MemoryTier:
         removed = []
         for copies in self.copies().values():
             for slots in copies:
-                if slots is self.own or slots.written() or any(s >= step for s in slots.steps()):
+                if slots is self.own or not slots.older(step):
                     continue
                 shutil.rmtree(slots.dir, ignore_errors=True)
                 self._others.pop(slots.dir, None)

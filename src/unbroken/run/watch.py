@@ -179,6 +179,11 @@ class Watch:
                 and not self._busy(pid, t, now)
             ):
                 stale.append(Stale(step, t, rank, pid))
+        self._hung(stale, now)
+
+    def _hung(self, stale: list[Stale], now: float) -> None:
+        """Report ``stale`` ranks, unless a kill came within the last timeout (its
+        recovery is still under way)."""
         if stale and time.monotonic() - self.last_kill > self.timeout:
             self.hooks.on_hang(stale, now)
 
@@ -206,8 +211,7 @@ class Watch:
             for pid, (rank, since) in halted.items()
             if now - since > self.pace.limit(rank)
         ]
-        if stale and time.monotonic() - self.last_kill > self.timeout:
-            self.hooks.on_hang(stale, now)
+        self._hung(stale, now)
 
     def expect(
         self, rank: int, pid: int, attempt: int, grace: float = 0.0, importing: bool = False
