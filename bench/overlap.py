@@ -3,7 +3,8 @@ backward (`unbroken.job.overlap`), the same save copied before it returns
 (``overlap=False``), DCP's ``async_save`` with its ``DefaultStager`` staging in the
 background (thread and process writers), and torch-checkpointing's ``CheckpointManager``
 (PyPI 0.1.1, ``pip install torch-checkpointing``; buffered writes: its O_DIRECT default
-fails on this disk), next to this machine's memcpy of the same bytes, in one run.
+fails on this disk; it never calls fsync, so its saves end in the page cache while the
+others' end on the disk), next to this machine's memcpy of the same bytes, in one run.
 
     python bench/overlap.py                          # ~192 MiB of AdamW state per rank
     python bench/overlap.py --mib 16 --repeats 1     # smoke, about a minute
@@ -30,7 +31,10 @@ for bit, with the values at the save. Reported for the slowest rank: the time ``
 blocks the loop and the write rate to durable (from the call to the save's completion,
 the training going on meanwhile), both from the 2-rank run against a memcpy by both
 ranks at once; the step time lost in each run; and the host memory a method adds, from
-bench/overlap_memory.py (one rank, a fresh process per method).
+bench/overlap_memory.py (one rank, a fresh process per method). Beside the step time
+lost, which this VM's noise moves by several percent between periods, the time the
+training thread waited for a core while it could run (Linux's schedstat), per save:
+what a method's threads take from the loop when they outnumber the idle cores.
 """
 
 from __future__ import annotations
@@ -84,12 +88,13 @@ def run_method(name: str, root: Path, mib: int, check: bool) -> dict[str, float]
     method.prepare()
     every_step = name.startswith("snapshot")
     took: dict[bool, list[float]] = {False: [], True: []}  # saving? -> each period's time
+    waited: dict[bool, list[float]] = {False: [], True: []}  # ... its wait for a core
     blocked, durable, step = [], [], 0
     saved: dict[int, list[torch.Tensor]] = {}
     for period in range(2 * PERIODS + 1):
         saving, excluded = period % 2 == 1, 0.0
         dist.barrier()
-        start = time.perf_counter()
+        start, queued = time.perf_counter(), run_queue_s()
         for k in range(EVERY):
             if saving and (every_step or k == 0):
                 if check:  # off the clock; of snapshots, the newest is checked
@@ -107,11 +112,13 @@ def run_method(name: str, root: Path, mib: int, check: bool) -> dict[str, float]
             method.pending()
             durable.append(0.0 if every_step else finished() - called)  # the last save's
         took[saving].append(time.perf_counter() - start - excluded)
+        waited[saving].append(run_queue_s() - queued)
     wrong = sum(_wrong(method, n, want, mib) for n, want in saved.items())
     method.close()
     return {
         "block_s": max(blocked),
         "lost": lost(took[True], took[False]),
+        "core_wait_s": core_wait(waited[True], waited[False]) / (EVERY if every_step else 1),
         "durable_s": statistics.median(durable),
         "wrong": wrong,
     }
@@ -123,6 +130,21 @@ def lost(saving: list[float], quiet: list[float]) -> float:
     and drift between the start and the end of the run cancels)."""
     around = [(a + b) / 2 for a, b in itertools.pairwise(quiet)]
     return statistics.median(s / q for s, q in zip(saving, around, strict=True)) - 1
+
+
+def run_queue_s() -> float:
+    """How long this thread has waited for a core, runnable (Linux's schedstat)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
+def core_wait(saving: list[float], quiet: list[float]) -> float:
+    """The training thread's wait for a core in a period with saves, over the mean of
+    the two periods without around it: the median, in seconds. A save's threads that
+    outnumber the cores training leaves idle take the loop's: measured here apart from
+    the VM's noise, which moves the step time by several percent between periods."""
+    around = [(a + b) / 2 for a, b in itertools.pairwise(quiet)]
+    return statistics.median(s - q for s, q in zip(saving, around, strict=True))
 
 
 def finish_time(done: Callable[[], bool]) -> Callable[[], float]:
@@ -184,7 +206,7 @@ def worker(
         for name in rotated(methods, rep):
             where = Path(root) / f"{name}-{rep}"
             got = run_method(name, where, mib, check=rep == 0)
-            worst = max_over_ranks(got["block_s"], got["lost"], got["durable_s"], got["wrong"])
+            worst = max_over_ranks(*got.values())
             out["methods"][name].append(dict(zip(got, worst, strict=True)))
             dist.barrier()
             if rank == 0:
@@ -240,12 +262,13 @@ def report(runs: dict[int, Any], memory: dict[str, Any], methods: list[str]) -> 
         f"medians over repeats of the slowest rank's slowest call; a save every {EVERY} "
         f"steps, or a snapshot every step; limit: memcpy, {memcpy[1] * 1e3:.1f} ms by one "
         f"rank, {memcpy[2] * 1e3:.1f} ms by both at once; a core to spare: 1 rank, the other "
-        "core free; no core to spare: 2 ranks; to durable: 2 ranks",
+        "core free; no core to spare: 2 ranks; to durable: 2 ranks; core wait: the training "
+        "thread's wait for a core while runnable, per save, over the periods without saves",
         [("method", "left"),
          *(c for w in ("spare core", "no spare core")
-           for c in ((f"{w}: blocks", "right"), ("% of memcpy", "right"),
-                     ("step time lost", "right"))),
-         ("host memory added", "right"), ("to durable", "right"), ("restored", "left")],
+           for c in ((f"{w}: blocks", "right"), ("of memcpy", "right"),
+                     ("step time lost", "right"), ("core wait", "right"))),
+         ("memory added", "right"), ("to durable", "right"), ("restored", "left")],
     )  # fmt: skip
     result: dict[str, Any] = {f"memcpy_ms_{w}_ranks": round(memcpy[w] * 1e3, 2) for w in runs}
     for name in methods:
@@ -254,11 +277,13 @@ def report(runs: dict[int, Any], memory: dict[str, Any], methods: list[str]) -> 
             got = runs[world]["methods"][name]
             block = statistics.median(r["block_s"] for r in got)
             lost = statistics.median(r["lost"] for r in got)
+            wait = statistics.median(r["core_wait_s"] for r in got)
             row += [f"{block * 1e3:.1f} ms", f"{100 * block / memcpy[world]:.0f} %",
-                    f"{100 * lost:+.1f} %"]  # fmt: skip
+                    f"{100 * lost:+.1f} %", f"{wait * 1e3:.1f} ms"]  # fmt: skip
             figures |= {f"block_ms_{config}": round(block * 1e3, 2),
                         f"block_of_memcpy_{config}": round(block / memcpy[world], 3),
-                        f"lost_{config}": round(lost, 4)}  # fmt: skip
+                        f"lost_{config}": round(lost, 4),
+                        f"core_wait_ms_{config}": round(wait * 1e3, 2)}  # fmt: skip
         in_memory = name.startswith("snapshot")  # nothing durable: shared memory
         durable = statistics.median(r["durable_s"] for r in runs[2]["methods"][name])
         rate = 0.0 if in_memory else 2 * nbytes / 2**30 / durable
@@ -279,7 +304,11 @@ def beyond(result: dict[str, Any], peers: list[str]) -> dict[str, bool]:
     """For each figure, whether unbroken's overlapped save is at or beyond every peer's
     (less blocking, loss and memory; a faster write)."""
     ours = result["unbroken"]
-    less = [f"{f}_{c}" for f in ("block_ms", "lost") for c in ("spare_core", "no_spare_core")]
+    less = [
+        f"{f}_{c}"
+        for f in ("block_ms", "lost", "core_wait_ms")
+        for c in ("spare_core", "no_spare_core")
+    ]
     less.append("memory_mib")
     out = {key: all(ours[key] <= result[p][key] for p in peers) for key in less}
     out["durable_gib_s"] = all(ours["durable_gib_s"] >= result[p]["durable_gib_s"] for p in peers)

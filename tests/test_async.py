@@ -87,12 +87,14 @@ def test_prepare_stages_ahead_and_the_first_save_reuses_it(tmp_path):
         threading.Event().wait(0.05)
     assert arena.buffer is not None and arena.nbytes >= (1 << 18) + 40
     assert int(arena.buffer[::4096].count_nonzero()) == 0  # touched: zeroed page by page
-    pointer = arena.buffer.data_ptr()
+    pointer, views = arena.buffer.data_ptr(), arena._views
+    assert views is not None  # the copies' views into it are made too
     expected = {k: v.clone() for k, v in state.items()}
     ckpt.save(1, state, blocking=False)
     state["w"].add_(1)  # the copy was taken: this change is not in step 1
     ckpt.wait()
     assert arena.buffer.data_ptr() == pointer  # the first save allocated nothing
+    assert arena._views is views  # nor made views of its own
     got = {"w": torch.zeros(1 << 16), "b": torch.zeros(10)}
     assert Checkpointer(tmp_path).restore(got) == 1
     assert all(torch.equal(got[k], expected[k]) for k in expected)
@@ -307,3 +309,42 @@ def test_a_step_skipped_on_one_rank_is_skipped_on_every_rank(tmp_path):
     assert results[1] == [True, False]
     assert results[0] == [True, False]  # rank 0 had a free buffer, yet skips with rank 1
     assert Checkpointer(tmp_path).steps() == [1]
+
+
+def test_a_background_save_hashes_and_writes_on_one_thread_a_blocking_one_on_io_threads(
+    tmp_path, monkeypatch
+):
+    """A background save takes one core from training at most (bench/overlap.py: with
+    io_threads of them, the training thread waited for a core); a blocking save, which
+    the loop waits for, still spreads over ``io_threads``."""
+    import time
+
+    import unbroken.saving.checksums as sums
+
+    threads: set[int] = set()
+    hash_block = sums.block_checksums
+
+    def hashing(view):
+        threads.add(threading.get_ident())
+        time.sleep(0.01)  # long enough for a second worker to take the next block
+        return hash_block(view)
+
+    monkeypatch.setattr(sums, "block_checksums", hashing)
+    model = make_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    train_steps(model, optim, 1)
+    state = {"model": model, "optim": optim}
+    with Checkpointer(tmp_path, io_threads=2) as ckpt:
+        writes = ckpt.storage.write
+
+        def writing(path, parts):
+            threads.add(threading.get_ident())
+            time.sleep(0.05)
+            return writes(path, parts)
+
+        monkeypatch.setattr(ckpt.storage, "write", writing)
+        ckpt.save(1, state, blocking=False).wait()
+        assert len(threads) == 1, "a background save hashed or wrote on several threads"
+        threads.clear()
+        ckpt.save(2, state)
+        assert len(threads) >= 2, "a blocking save ran on one thread"

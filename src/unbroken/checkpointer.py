@@ -207,9 +207,8 @@ class Checkpointer:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
 
     def prepare(self, state: Mapping[str, Any]) -> None:
-        """Allocate and touch, in the background, the staging buffer of background saves
-        of ``state`` (whole: restored, or after a first step), so the first
-        ``save(blocking=False)`` blocks no longer than later ones (`unbroken.saving.staging`)."""
+        """Ready the staging of background saves of ``state`` (restored, or stepped once)
+        in the background: the first ``save(blocking=False)`` blocks no longer than later."""
         self._stager.reserve_for(state)
 
     def _submit(self, staged: saving.Staged, background: bool) -> PendingSave:
@@ -223,8 +222,9 @@ class Checkpointer:
         """Runs on the worker. A background failure is logged at once and kept for the
         next `save` or `wait`; a blocking one is raised to the caller only."""
         try:
+            threads = 1 if background else self.io_threads  # background: a core at most
             context = saving.SaveContext(
-                comm=self._comm, directory=self._directory, io_threads=self.io_threads,
+                comm=self._comm, directory=self._directory, io_threads=threads,
                 collector=self._collector, job=self._job, replicated=self.replicated,
             )  # fmt: skip
             return saving.persist(context, staged)

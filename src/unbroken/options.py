@@ -23,7 +23,9 @@ class Options:
             (SIGTERM by default), then exit (`unbroken.preemption`).
         process_group: the ranks that checkpoint together; default: all of them.
         timeout: how long a rank waits for the others during save or restore (seconds).
-        io_threads: parallel file writers and readers per rank.
+        io_threads: parallel file writers and readers per rank, for restores and
+            blocking saves; a background save uses one, so it takes a core from training
+            at most.
         staging_buffers: host copies of the state that background saves may hold at once.
         if_busy: what ``save(blocking=False)`` does when every staging buffer still holds
             a save that is persisting: ``"wait"`` for one to free, or ``"skip"`` this step.

@@ -72,5 +72,5 @@ def checksums(
 
     first: list[str | None] = [None] if beside is not None else []
     todo = first + sorted({staged.aliases.get(k, k) for k in keys})
-    run_all(one, todo, max(2, threads))
+    run_all(one, todo, threads)
     return {key: sums[staged.aliases.get(key, key)] for key in keys}

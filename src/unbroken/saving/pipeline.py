@@ -306,7 +306,7 @@ def _write(
     ]
     if rank == 0:
         jobs.append(lambda: storage.write(f"{folder}/{INFO}", [text]))
-    run_all(lambda job: job(), jobs, len(jobs))
+    run_all(lambda job: job(), jobs, min(len(jobs), ctx.io_threads))
     # The overlapped copy's verdict (`unbroken.job.overlap`), as late as it may be: after
     # the write, before the replicas are compared (`Planner.wrote`) and the step commits.
     if staged.copy is not None and (error := staged.copy.verdict(f"saving step {info.step}")):
