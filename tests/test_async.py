@@ -4,11 +4,13 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
 
 import unbroken
+import unbroken.saving.checksums as sums
 from conftest import make_model, train_steps
 from ranks import run_ranks
 from unbroken import Checkpointer, CheckpointError
@@ -317,10 +319,6 @@ def test_a_background_save_hashes_and_writes_on_one_thread_a_blocking_one_on_io_
     """A background save takes one core from training at most (bench/overlap.py: with
     io_threads of them, the training thread waited for a core); a blocking save, which
     the loop waits for, still spreads over ``io_threads``."""
-    import time
-
-    import unbroken.saving.checksums as sums
-
     threads: set[int] = set()
     hash_block = sums.block_checksums
 
