@@ -72,8 +72,8 @@ class Arena:
 
     def ready_for(self, layout: Layout) -> bool:
         """Whether a save of blocks of ``layout`` would find its views made."""
-        views, buffer = self._views, self.buffer
-        return views is not None and buffer is not None and views[0] == layout
+        views = self._views  # dropped with its buffer: views imply one
+        return views is not None and views[0] == layout
 
     def stage(
         self, blocks: Sequence[torch.Tensor], deferred: Sequence[bool] = ()
