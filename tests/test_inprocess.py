@@ -196,10 +196,12 @@ def test_hung_rank_is_found_and_replaced_in_process_bitwise(tmp_path, reference)
 def test_a_hang_is_found_at_the_ranks_learned_pace_not_at_the_heartbeat_timeout(tmp_path):
     """With ``--hang-factor``, a rank that hangs once its pace is learned is found within
     a few of its heartbeat gaps (0.2 s and more here), not the 60 s heartbeat timeout;
-    the saves and snapshots before it, slower steps, were no hang."""
-    step, timeout = 200, 60
+    the saves and snapshots before it, slower steps, were no hang. The pace is learned
+    from 25 beats, written at most every 0.2 s: 5 s of steps at the least, and 500 of
+    train_job's steps take 10 s at the least (at 200, a quick host hung it unlearned)."""
+    step, timeout = 500, 60
     options = ["--nproc-per-node=2", f"--heartbeat-timeout={timeout}", "--hang-factor=5"]
-    run = launch(tmp_path, *options, f"--inject-fault=hang rank=0 step={step}", steps=230)
+    run = launch(tmp_path, *options, f"--inject-fault=hang rank=0 step={step}", steps=step + 30)
     [rec] = run["timeline"]["recoveries"]
     assert rec["detected_by"] == "hang_detected" and rec["respawned"] == [0], rec
     assert rec["fault_step"] == step
