@@ -17,7 +17,7 @@ TARGET_VS_MEMCPY = 1.5  # blocking time at most this multiple of the memcpy limi
 TARGET_VS_DCP = 1 / 3  # ... and at most this fraction of DCP's blocking time
 TARGET_FIRST = 1.5  # the first save's blocking time, as a multiple of a later one's
 TARGET_RSS = 2.2  # peak memory per rank, in state sizes (state + one staging copy + slack)
-WRITERS = ("write_fsync", "write_fsync_early", "write_fsync_striped")
+WRITERS = ("write_fsync", "write_fsync_early", "write_fsync_striped", "write_direct_striped")
 LIMITS = ("block.memcpy", "block.memcpy_fresh", *(f"durable.{w}" for w in WRITERS))
 Row = tuple[str, ...]
 
@@ -123,6 +123,7 @@ def durable_rows(f: Figures, of_limit: dict[str, float]) -> list[Row]:
         ("write_fsync", "limit: write + fsync"),
         ("write_fsync_early", "limit: write + fsync, early writeback"),
         ("write_fsync_striped", f"limit: write + fsync, {STREAMS} files in parallel"),
+        ("write_direct_striped", f"limit: O_DIRECT write + fsync, {STREAMS} files"),
     ):
         key = f"durable.{key}"
         speed.append(("durable, GiB/s", label, "", f.rate(key, best), f.rate(key, median), "", ""))

@@ -25,6 +25,7 @@ from common import (
     MIB,
     PAUSE_S,
     DiskConfig,
+    aligned,
     fresh_dir,
     hand_back,
     join_gloo,
@@ -145,6 +146,7 @@ class AsyncRank:
         self.flat = torch.zeros(self.nbytes, dtype=torch.uint8)
         self.aligned = torch.zeros(packed(t.nbytes for t in self.tensors)[1], dtype=torch.uint8)
         self.flat_mv = self.flat.numpy().data
+        self.direct_mv = aligned(self.flat_mv)  # the direct writer's source: page-aligned
         # DCP's collectives run on a group of their own, apart from this script's barriers
         self.dcp_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
         self.trainer = Trainer(rank)
@@ -194,10 +196,12 @@ class AsyncRank:
         plain = f"{fresh_dir(root / 'raw' / str(rep))}/rank{rank}.bin"
         early = f"{fresh_dir(root / 'raw' / f'{rep}-early')}/rank{rank}.bin"
         striped = f"{fresh_dir(root / 'raw' / f'{rep}-striped')}/rank{rank}.bin"
+        direct = f"{fresh_dir(root / 'raw' / f'{rep}-direct')}/rank{rank}.bin"
         writers = [
             ("write_fsync", lambda: raw_write(plain, flat_mv)),
             ("write_fsync_early", lambda: raw_write(early, flat_mv, True)),
             ("write_fsync_striped", lambda: striped_write(striped, flat_mv)),
+            ("write_direct_striped", lambda: striped_write(direct, self.direct_mv, direct=True)),
         ]
         for i, (name, write) in enumerate(rotated(writers, rep)):
             if i:  # the order rotates; the first one follows the last method's settle

@@ -4,9 +4,10 @@ method beats its limit (then the limit was not one)."""
 
 from __future__ import annotations
 
+import mmap
 from concurrent.futures import ThreadPoolExecutor
 
-from common import raw_read, raw_write
+from common import direct_write, raw_read, raw_write
 
 # A limit is the fastest way found to move the bytes, so no method may beat it; one that does
 # by more than timing noise (LIMIT_MARGIN) shows a limit measured wrong, and the script fails.
@@ -17,16 +18,26 @@ STREAMS = 4
 
 
 def _stripes(data: memoryview, streams: int) -> list[memoryview]:
-    size = -(-len(data) // streams)
+    size = -(-len(data) // streams // mmap.PAGESIZE) * mmap.PAGESIZE  # aligned: direct too
     return [data[off : off + size] for off in range(0, len(data), size)]
 
 
-def striped_write(path: str, data: memoryview, streams: int = STREAMS) -> None:
+def striped_write(
+    path: str, data: memoryview, streams: int = STREAMS, direct: bool = False
+) -> None:
     """`raw_write` (early writeback) of ``data`` cut into ``streams`` slices, each to its
-    own file ``path.<i>`` by its own thread: the parallel limit (see `STREAMS`)."""
+    own file ``path.<i>`` by its own thread: the parallel limit (see `STREAMS`). With
+    ``direct``, `direct_write`s from ``data`` (page-aligned) instead."""
     parts = _stripes(data, streams)
+
+    def one(i: int) -> None:
+        if direct:
+            direct_write(f"{path}.{i}", parts[i])
+        else:
+            raw_write(f"{path}.{i}", parts[i], True)
+
     with ThreadPoolExecutor(len(parts)) as pool:
-        list(pool.map(lambda i: raw_write(f"{path}.{i}", parts[i], True), range(len(parts))))
+        list(pool.map(one, range(len(parts))))
 
 
 def striped_read(path: str, into: memoryview, streams: int = STREAMS) -> None:

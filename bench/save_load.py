@@ -34,6 +34,7 @@ from common import (
     MIB,
     TARGET_OF_LIMIT,
     DiskConfig,
+    aligned,
     as_bytes,
     disk_config,
     evict,
@@ -99,6 +100,7 @@ class SaveLoadRank:
             view.copy_(as_bytes(t))
         self.scratch = torch.zeros(nbytes, dtype=torch.uint8)
         self.ref_mv, self.scratch_mv = self.reference.numpy().data, self.scratch.numpy().data
+        self.ref_direct = aligned(self.ref_mv)  # the direct writer's source: page-aligned
         self.samples: dict[str, list[float]] = {}
         self.residency: list[float] = []
         self.ckpt = unbroken.Checkpointer(self.root / "unbroken")  # collective; keeps all
@@ -142,6 +144,11 @@ class SaveLoadRank:
         self.record("write_fsync_striped", timed(lambda: striped_write(path, self.ref_mv)))
         self.raw_read("read_striped", lambda: striped_read(path, self.scratch_mv))
 
+    def limit_direct(self, rep: int) -> None:
+        path = f"{fresh_dir(self.root / 'raw' / f'{rep}-direct')}/rank{self.rank}.bin"
+        write = lambda: striped_write(path, self.ref_direct, direct=True)  # noqa: E731
+        self.record("write_direct_striped", timed(write))
+
     def raw_read(self, name: str, read: Callable[[], None]) -> None:
         self.before_restore()
         self.record(name, timed(read))
@@ -182,6 +189,7 @@ class SaveLoadRank:
             self.limit_plain,
             self.limit_early,
             self.limit_striped,
+            self.limit_direct,
             self.unbroken_checkpoint,
             self.per_rank_torch,
             self.distributed_checkpoint,
@@ -222,7 +230,7 @@ def report(cfg: DiskConfig, raw: dict[str, Any]) -> dict[str, Any]:
     # A method's median against the best sample of the fastest raw writer or reader,
     # striped ones included: the limit an upper bound with at least the parallelism of any
     # method, and one burst of this VM's disk unable to make a method's figure.
-    writers = ("write_fsync", "write_fsync_early", "write_fsync_striped")
+    writers = ("write_fsync", "write_fsync_early", "write_fsync_striped", "write_direct_striped")
     write_limit = max(best[k] for k in writers)
     read_limit = max(best["read"], best["read_striped"])
     fraction: dict[str, float] = {}
@@ -262,6 +270,12 @@ def limit_rows(best: dict[str, float], median: dict[str, float], reads: str) -> 
             f"write + fsync, {STREAMS} files in parallel",
             f"{best['write_fsync_striped']:.2f}",
             f"{median['write_fsync_striped']:.2f}",
+        ),
+        (
+            "limit",
+            f"O_DIRECT write + fsync, {STREAMS} files",
+            f"{best['write_direct_striped']:.2f}",
+            f"{median['write_direct_striped']:.2f}",
         ),
         ("limit", f"read, {reads}", f"{best['read']:.2f}", f"{median['read']:.2f}"),
         (

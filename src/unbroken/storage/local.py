@@ -1,4 +1,5 @@
-"""Local file system (and NFS): fsync'd writes, commit by exclusive hard link.
+"""Local file system (and NFS): fsync'd writes (large files past the page cache:
+`unbroken.storage.direct`), commit by exclusive hard link.
 
 A checkpoint folder may hold what someone else put there, so nothing in it steers a
 write or a delete outside it: below the root, writes and deletes go one folder at a time
@@ -27,6 +28,7 @@ from collections.abc import Callable, Sequence
 from unbroken.access import Access
 from unbroken.errors import CheckpointError, CorruptCheckpointError, StorageError
 from unbroken.run import faults
+from unbroken.storage import direct
 
 log = logging.getLogger("unbroken")
 
@@ -64,15 +66,9 @@ class LocalStorage:
     ) -> None:
         fd = self._create(folder, name, full)
         try:
-            offset = started = 0  # writeback is asked for in pieces, not per small part
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view:
-                    n = os.write(fd, view[:_WRITEBACK_BYTES])
-                    view, offset = view[n:], offset + n
-                    if offset - started >= _WRITEBACK_BYTES:
-                        _start_writeback(fd, started, offset - started)
-                        started = offset
+            size = sum(memoryview(part).nbytes for part in parts)
+            if not direct.write(fd, parts, size):
+                _write_buffered(fd, parts)
             faults.point("fsync")
             os.fsync(fd)
         finally:
@@ -272,6 +268,18 @@ def _writeback_starter() -> Callable[[int, int, int], None]:
 
 
 _start_writeback = _writeback_starter()
+
+
+def _write_buffered(fd: int, parts: Sequence[memoryview | bytes]) -> None:
+    offset = started = 0  # writeback is asked for in pieces, not per small part
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view:
+            n = os.write(fd, view[:_WRITEBACK_BYTES])
+            view, offset = view[n:], offset + n
+            if offset - started >= _WRITEBACK_BYTES:
+                _start_writeback(fd, started, offset - started)
+                started = offset
 
 
 def _names(path: str) -> list[str]:
