@@ -10,6 +10,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -204,3 +206,32 @@ def test_ddp_two_processes_resume_to_identical_weights(tmp_path):
     assert "resumed from" in again
     weights = [re.search(r"finished at epoch 4, weights (\w+)", o) for o in (finish(whole), again)]
     assert all(weights) and weights[0][1] == weights[1][1]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_background_save_writes_on_one_thread_a_foreground_one_on_io_threads(
+    tmp_path, monkeypatch, async_save
+):
+    """As `Checkpointer.save`'s: a background save takes a core at most beside the loop;
+    a foreground one, which the loop waits for, spreads over ``io_threads``."""
+    from unbroken.format import shards
+    from unbroken.storage.local import LocalStorage
+
+    threads: set[int] = set()
+    write = LocalStorage.write
+
+    def writing(self, path, parts):
+        if path.endswith(".safetensors"):  # a shard file, not the manifest or info
+            threads.add(threading.get_ident())
+            time.sleep(0.05)  # long enough for a second worker to take the next file
+        return write(self, path, parts)
+
+    monkeypatch.setattr(LocalStorage, "write", writing)
+    monkeypatch.setattr(shards, "FILE_BYTES", 1024)  # a file per tensor: several to write
+    io = CheckpointIO(async_save=async_save, io_threads=2)
+    checkpoint = {"state_dict": {f"w{i}": torch.full((512,), float(i)) for i in range(6)}}
+    io.save_checkpoint(checkpoint, tmp_path / "ckpt")
+    io.teardown()
+    loaded = io.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in checkpoint["state_dict"].items())
+    assert (len(threads) == 1) if async_save else (len(threads) >= 2), threads

@@ -77,7 +77,8 @@ class CheckpointIO(_Base):
         allow_pickle: store values JSON cannot hold by pickling them, and unpickle them
             on load. Off by default: such a value is an error naming its key, and a
             checkpoint holding one loads only with this on.
-        io_threads: parallel writers and readers.
+        io_threads: parallel readers, and writers of a foreground save (a background
+            save hashes and writes on one thread: a core at most, beside the loop).
     """
 
     def __init__(
@@ -111,7 +112,7 @@ class CheckpointIO(_Base):
         path = os.fspath(path)
         state = _storable(checkpoint, self.allow_pickle)
         if not self.async_save:
-            self._persist(path, saving.stage(0, state, arena=None))
+            self._persist(path, saving.stage(0, state, arena=None), self.io_threads)
             return
         arena = self._stager.acquire(wait=True)
         assert arena is not None  # waited for one
@@ -122,7 +123,8 @@ class CheckpointIO(_Base):
             raise
         if self._worker is None:
             self._worker = SaveThread()
-        self._pending.append(self._worker.submit(self._persist, path, staged))
+        # A background save takes a core at most, as `Checkpointer.save`'s: the loop runs on.
+        self._pending.append(self._worker.submit(self._persist, path, staged, 1))
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -183,15 +185,16 @@ class CheckpointIO(_Base):
     def _directory(self, path: str) -> Directory:
         return Directory(open_storage(path, self.storage_options), path)
 
-    def _persist(self, path: str, staged: saving.Staged) -> None:
-        """Commit ``staged`` as the next step of ``path``, then delete the older steps."""
+    def _persist(self, path: str, staged: saving.Staged, threads: int) -> None:
+        """Commit ``staged`` as the next step of ``path`` on ``threads`` IO threads, then
+        delete the older steps."""
         try:
             directory = self._directory(path)
             latest = directory.latest()
             staged.step = 0 if latest is None else latest + 1
             collector = Collector(directory, KeepLast(1), active=True)
             context = saving.SaveContext(
-                comm=_Solo(), directory=directory, io_threads=self.io_threads, collector=collector
+                comm=_Solo(), directory=directory, io_threads=threads, collector=collector
             )
             try:
                 saving.persist(context, staged)
