@@ -25,7 +25,6 @@ from common import (
     MIB,
     PAUSE_S,
     DiskConfig,
-    aligned,
     fresh_dir,
     hand_back,
     join_gloo,
@@ -37,7 +36,7 @@ from common import (
     settle,
     timed,
 )
-from limits import striped_write
+from limits import aligned, striped_write
 from unbroken.format.shards import packed
 from unbroken.sdc import Replicated
 

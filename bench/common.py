@@ -217,34 +217,6 @@ def raw_write(path: str, data: memoryview, early_writeback: bool = False) -> Non
 
 
 _sync_file_range = ctypes.CDLL(None, use_errno=True).sync_file_range
-
-
-def direct_write(path: str, data: memoryview) -> None:
-    """Sequential O_DIRECT writes from ``data`` itself (page-aligned: `aligned`) + fsync:
-    past the page cache with no copy at all, the least a direct writer can do; the last
-    partial block buffered, as a direct write cannot carry it."""
-    whole = len(data) - len(data) % mmap.PAGESIZE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    try:
-        for off in range(0, whole, CHUNK):
-            os.pwrite(fd, data[off : min(off + CHUNK, whole)], off)
-        if whole < len(data):
-            os.close(fd)
-            fd = os.open(path, os.O_WRONLY)
-            os.pwrite(fd, data[whole:], whole)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(os.path.dirname(path))
-
-
-def aligned(data: memoryview) -> memoryview:
-    """A copy of ``data`` in page-aligned memory (an anonymous map), for `direct_write`."""
-    out = mmap.mmap(-1, max(1, len(data)))
-    out[: len(data)] = data.cast("B")
-    return memoryview(out)[: len(data)]
-
-
 _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 
 

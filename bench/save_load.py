@@ -34,7 +34,6 @@ from common import (
     MIB,
     TARGET_OF_LIMIT,
     DiskConfig,
-    aligned,
     as_bytes,
     disk_config,
     evict,
@@ -60,7 +59,7 @@ from common import (
 
 # bench/recovery_worker.py imports `evict` from this module, and DCP with it, inside the
 # setup phase it times for scenario (a): keep it importable from here.
-from limits import STREAMS, check_limits, striped_read, striped_write
+from limits import STREAMS, aligned, check_limits, striped_read, striped_write
 
 TARGET_VS_DCP = 2.0
 Row = tuple[str, ...]
