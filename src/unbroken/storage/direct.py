@@ -12,9 +12,9 @@ A checkpoint file's bytes (a safetensors header, then tensors at any address) me
 of the alignment a direct write needs, so they go through a bounce buffer of `BOUNCE`
 bytes (two per writing thread: one is written while the next bytes are copied into the
 other): a memory copy, a tenth of the page cache's cost. The file's last partial block
-is written buffered. A file system that refuses direct writes
-(``EINVAL``, at the flag or the first write) is written buffered from then on, by this
-process, and the file is written again from its start.
+is written buffered. A file system that refuses direct writes (``EINVAL``, at the flag
+or at any write) gets the file written again from its start, buffered, and every later
+file too, by this process.
 """
 
 from __future__ import annotations
@@ -35,12 +35,14 @@ _local = threading.local()
 _refused: set[int] = set()  # devices (st_dev) whose file system refused a direct write
 
 
-def write(fd: int, parts: Sequence[memoryview | bytes], size: int) -> bool:
-    """Write ``parts`` (``size`` bytes in all) into the empty file ``fd`` at offset 0, past
-    the page cache; False, with the file empty again, where that is not for this file
-    (too small, or its file system refuses): the caller writes it buffered."""
+def write(fd: int, parts: Sequence[memoryview | bytes]) -> bool:
+    """Write ``parts`` into the empty file ``fd`` at offset 0, past the page cache; False,
+    with the file empty again, where that is not for this file (too small, or its file
+    system refuses): the caller writes it buffered."""
+    if sum(memoryview(part).nbytes for part in parts) < MIN_BYTES:
+        return False  # a manifest or an info file: not even a stat
     device = os.fstat(fd).st_dev
-    if size < MIN_BYTES or device in _refused:
+    if device in _refused:
         return False
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:

@@ -66,8 +66,7 @@ class LocalStorage:
     ) -> None:
         fd = self._create(folder, name, full)
         try:
-            size = sum(memoryview(part).nbytes for part in parts)
-            if not direct.write(fd, parts, size):
+            if not direct.write(fd, parts):
                 _write_buffered(fd, parts)
             faults.point("fsync")
             os.fsync(fd)
