@@ -79,3 +79,38 @@ def _parts_job(rank: int, world: int) -> list[list[bool]]:
         tracker.stop()
         found.append(seen)
     return found
+
+
+def test_a_stopped_tracker_keeps_its_answer_without_keeping_a_dropped_wrapper_alive():
+    """`Tracker.wrappers` runs twice a step; once the tracker stopped it keeps the answer,
+    weakly: a wrapper the loop dropped is neither kept alive nor answered."""
+    from ranks import run_ranks
+
+    first, kept, after, freed = run_ranks(_kept_job, world=1, timeout=60)[0]
+    assert first == kept == ["model:a", "model:b"]
+    assert after == ["model:a"]
+    assert freed
+
+
+def _kept_job(rank: int, world: int) -> list:
+    import gc
+    import weakref
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from unbroken.healing.ddp_buckets import Tracker
+
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    tracker = Tracker()
+    parts = {k: DistributedDataParallel(m) for k, m in model.items()}
+    for part in parts.values():
+        part(torch.ones(1, 4)).sum().backward()
+    del part  # the loop's name held the last wrapper
+    state = {"model": model}
+    tracker.settle(state)
+    assert tracker._handle is None  # stopped: the answer is kept from here on
+    first = sorted(tracker.wrappers(state))
+    kept = sorted(tracker.wrappers(state))
+    dropped = weakref.ref(parts.pop("b"))
+    gc.collect()
+    return [first, kept, sorted(tracker.wrappers(state)), dropped() is None]

@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 log = logging.getLogger("unbroken")
 
 Layout = list[list[int]]  # reducer parameter indices, bucket by bucket
+Wrapper = weakref.ref[DistributedDataParallel]
 WATCH_STEPS = 64  # steps to watch for wrappers of parts of a model that a step may skip
 
 
@@ -65,6 +66,9 @@ class Tracker:
         )
         self._settles = 0
         self._covered: tuple[tuple[int, ...], bool] | None = None  # see `covered`
+        # Asked twice a step: once stopped, the wrappers of the same module entries are
+        # kept (weakly: a wrapper the loop dropped is looked for again).
+        self._wrappers: tuple[tuple[Any, ...], dict[str, Wrapper]] | None = None
         self._handle: RemovableHandle | None = nn.modules.module.register_module_forward_pre_hook(
             self._hook
         )
@@ -106,6 +110,11 @@ class Tracker:
     def wrappers(self, state: Mapping[str, Any]) -> dict[str, DistributedDataParallel]:
         """The DDP wrappers of ``state``'s modules, by `key`: of an entry (or an entry
         that is one), or of a part of an entry's module (a model wrapped part by part)."""
+        asked = tuple((name, id(v)) for name, v in state.items() if isinstance(v, nn.Module))
+        if self._wrappers is not None and self._wrappers[0] == asked:
+            kept = {name: w for name, ref in self._wrappers[1].items() if (w := ref()) is not None}
+            if len(kept) == len(self._wrappers[1]):
+                return kept
         seen = [w for w in (ref() for ref in self._seen) if w is not None]
         found = {}
         for name, value in state.items():
@@ -116,6 +125,8 @@ class Tracker:
                 for w in seen:
                     if (path := paths.get(id(w.module))) is not None:
                         found[key(name, path)] = w
+        if self._handle is None:  # stopped: no wrapper is seen any more, as in `covered`
+            self._wrappers = asked, {name: weakref.ref(w) for name, w in found.items()}
         return found
 
     def layouts(self, state: Mapping[str, Any]) -> dict[str, Layout]:
