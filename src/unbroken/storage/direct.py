@@ -29,7 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 MIN_BYTES = 4 << 20  # smaller files (manifests, metadata, small shards): buffered
 ALIGN = 4096  # offsets, lengths and addresses: a multiple of any disk's logical block
-BOUNCE = 8 << 20  # bytes per direct write
+# Bytes per direct write. 2 MiB wrote a 256 MiB file here at 1.39 GiB/s against 1.24 with
+# 8 MiB (4 runs each, interleaved), for 4 MiB of buffers per writing thread, not 16.
+BOUNCE = 2 << 20
 
 _local = threading.local()
 _refused: set[int] = set()  # devices (st_dev) whose file system refused a direct write
