@@ -4,6 +4,8 @@ layout DDP is about to rebuild after a wrapper's first backward."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -86,8 +88,9 @@ def test_a_stopped_tracker_keeps_its_answer_without_keeping_a_dropped_wrapper_al
     weakly: a wrapper the loop dropped is neither kept alive nor answered."""
     from ranks import run_ranks
 
-    first, kept, after, freed = run_ranks(_kept_job, world=1, timeout=60)[0]
+    first, kept, walks, after, freed = run_ranks(_kept_job, world=1, timeout=60)[0]
     assert first == kept == ["model:a", "model:b"]
+    assert walks == 1  # the second answer was kept, not found again
     assert after == ["model:a"]
     assert freed
 
@@ -109,8 +112,16 @@ def _kept_job(rank: int, world: int) -> list:
     state = {"model": model}
     tracker.settle(state)
     assert tracker._handle is None  # stopped: the answer is kept from here on
+    walks, walk = [], model.named_modules
+
+    def counted_walk(*args: Any, **kwargs: Any) -> Any:
+        walks.append(1)
+        return walk(*args, **kwargs)
+
+    model.named_modules = counted_walk  # type: ignore[method-assign]
     first = sorted(tracker.wrappers(state))
     kept = sorted(tracker.wrappers(state))
+    counted = len(walks)
     dropped = weakref.ref(parts.pop("b"))
     gc.collect()
-    return [first, kept, sorted(tracker.wrappers(state)), dropped() is None]
+    return [first, kept, counted, sorted(tracker.wrappers(state)), dropped() is None]
