@@ -4,7 +4,9 @@ backward (`unbroken.job.overlap`), the same save copied before it returns
 background (thread and process writers), and torch-checkpointing's ``CheckpointManager``
 (PyPI 0.1.1, ``pip install torch-checkpointing``; buffered writes: its O_DIRECT default
 fails on this disk; it never calls fsync, so its saves end in the page cache while the
-others' end on the disk), next to this machine's memcpy of the same bytes, in one run.
+others' end on the disk), next to this machine's memcpy of the same bytes, in one run;
+then unbroken's snapshot every step, both ways, and a control that saves nothing (what
+the step time lost reads when there is nothing to find: this VM's noise, in this run).
 
     python bench/overlap.py                          # ~192 MiB of AdamW state per rank
     python bench/overlap.py --mib 16 --repeats 1     # smoke, about a minute
@@ -70,7 +72,17 @@ from common import (
     run_ranks,
     show,
 )
-from overlap_job import EVERY, LABELS, METHODS, PERIODS, Method, make_model, train_step, values
+from overlap_job import (
+    EVERY,
+    LABELS,
+    METHODS,
+    PERIODS,
+    Method,
+    make_model,
+    remove,
+    train_step,
+    values,
+)
 from overlap_memory import memory_worker
 
 # DCP's process writer (which imports this file) logs every request at INFO on stderr
@@ -205,12 +217,12 @@ def worker(
         out["memcpy_s"].append(max_over_ranks(memcpy_s(mib))[0])
         for name in rotated(methods, rep):
             where = Path(root) / f"{name}-{rep}"
-            got = run_method(name, where, mib, check=rep == 0)
+            got = run_method(name, where, mib, check=rep == 0 and name != "control")
             worst = max_over_ranks(*got.values())
             out["methods"][name].append(dict(zip(got, worst, strict=True)))
             dist.barrier()
             if rank == 0:
-                shutil.rmtree(where, ignore_errors=True)
+                remove(where)
     out["nbytes"] = sum(t.nbytes for t in values(*_stepped(mib)))
     hand_back(root, out, f"ranks-{world}.json")
     leave_group()
@@ -284,13 +296,14 @@ def report(runs: dict[int, Any], memory: dict[str, Any], methods: list[str]) -> 
                         f"block_of_memcpy_{config}": round(block / memcpy[world], 3),
                         f"lost_{config}": round(lost, 4),
                         f"core_wait_ms_{config}": round(wait * 1e3, 2)}  # fmt: skip
-        in_memory = name.startswith("snapshot")  # nothing durable: shared memory
         durable = statistics.median(r["durable_s"] for r in runs[2]["methods"][name])
-        rate = 0.0 if in_memory else 2 * nbytes / 2**30 / durable
+        in_memory = name.startswith("snapshot")  # nothing durable: shared memory
+        rate = 0.0 if in_memory or name == "control" else 2 * nbytes / 2**30 / durable
         added = memory[name]["extra"] / MIB
         wrong = int(sum(runs[w]["methods"][name][0]["wrong"] for w in runs))
-        row += [f"{added:.0f} MiB", "in memory" if in_memory else f"{rate:.2f} GiB/s",
-                "bitwise" if not wrong else f"{wrong} tensor(s) differ"]  # fmt: skip
+        row += [f"{added:.0f} MiB", "in memory" if in_memory else f"{rate:.2f} GiB/s" if rate
+                else "-", "-" if name == "control" else "bitwise" if not wrong
+                else f"{wrong} tensor(s) differ"]  # fmt: skip
         table.add_row(*row)
         result[name] = figures | {
             "memory_mib": round(added, 1), "durable_gib_s": round(rate, 3), "wrong": wrong,

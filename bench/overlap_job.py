@@ -3,6 +3,7 @@ library's background save each, run the way its documentation says."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +25,11 @@ PERIODS, EVERY = 3, 10
 BATCH = 128
 METHODS = (
     *("unbroken", "unbroken_copy", "dcp_thread", "dcp_process", "torch_checkpointing"),
-    *("snapshot", "snapshot_copy"),
+    *("snapshot", "snapshot_copy", "control"),
 )
+# node-local shared memory, where snapshots live: a folder on a disk would have the
+# kernel write every snapshot back to that disk, on the cores training uses
+SHM = Path("/dev/shm")
 LABELS = {
     "unbroken": "unbroken, overlapped",
     "unbroken_copy": "unbroken, overlap=False",
@@ -34,6 +38,7 @@ LABELS = {
     "torch_checkpointing": "torch-checkpointing, buffered IO, no fsync",
     "snapshot": "unbroken snapshot every step, overlapped",
     "snapshot_copy": "unbroken snapshot every step, overlap=False",
+    "control": "no save: the control (periods timed alike, nothing saved)",
 }
 
 
@@ -82,7 +87,7 @@ class Method:
             self.manager = CheckpointManager.Config(storage_config=storage).build()
 
     def memory(self, overlap: bool = True) -> unbroken.Checkpointer:
-        shm = str(self.root / "shm")  # node-local memory: a folder on disk is enough here
+        shm = str(shm_dir(self.root))
         return unbroken.Checkpointer(self.root, memory=True, memory_dir=shm, overlap=overlap)
 
     def state(self) -> dict[str, Any]:
@@ -97,6 +102,8 @@ class Method:
         elif self.name.startswith("snapshot"):
             self.ckpt.snapshot(step, self.state())
             self.pending = self.ckpt.wait
+        elif self.name == "control":
+            self.pending, self.done = (lambda: None), (lambda: True)
         elif self.name.startswith("dcp"):
             process = "process" in self.name
             got = dcp.async_save(
@@ -157,5 +164,16 @@ class Method:
             self.ckpt.close()
         elif self.name.startswith("dcp"):
             self.stager.close()
-        else:
+        elif self.name == "torch_checkpointing":
             self.manager.close()
+
+
+def shm_dir(root: Path) -> Path:
+    """The shared-memory folder of the method saving into ``root``: the same on every
+    rank (the ranks are one node's), removed with `remove`."""
+    return SHM / f"{root.parent.name}-{root.name}" if SHM.is_dir() else root / "shm"
+
+
+def remove(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(shm_dir(root), ignore_errors=True)

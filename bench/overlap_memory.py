@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from common import hand_back, join_gloo, leave_group
-from overlap_job import EVERY, Method, make_model, train_step
+from overlap_job import EVERY, Method, make_model, remove, train_step
 
 PERIOD_S = 0.005
 
@@ -102,6 +102,7 @@ def memory_worker(rank: int, port: int, root: str, mib: int, name: str) -> None:
                 method.save(n)
         method.pending()
         method.close()
+    remove(Path(root) / f"memory-{name}")
     out: dict[str, Any] = {"extra": peak.extra, "base": peak.base}
     hand_back(root, out, f"memory-{name}.json")
     leave_group()
