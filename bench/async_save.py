@@ -73,7 +73,6 @@ def main() -> None:
     # durable: speed over the fastest raw writer's; blocking: a copy cannot beat memcpy
     memcpy = result["limits"]["memcpy_ms"]
     blocking = {f"blocking {m}": memcpy / v["best"] for m, v in result["blocking_ms"].items()}
-    blocking["blocking snapshot"] = memcpy / result["snapshot_every_step"]["blocking_ms"]["best"]
     check_limits(result["durable_of_write_limit"] | blocking, "bench/async_save.py")
 
 

@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from async_save_run import LABELS, TRAINED
-from async_save_snapshot import snapshot_rows
 from common import GIB, MIB, TARGET_OF_LIMIT, DiskConfig, new_table, show
 from limits import STREAMS
 
@@ -195,14 +194,11 @@ def report(
     """Print both tables; return the RESULT json."""
     f = Figures(cfg, raw["samples"], raw["unavailable"])
     of_limit: dict[str, float] = {}
-    state_bytes = cfg.mib_per_rank * MIB
-    snap_rows, snapshots = snapshot_rows(f.best, f.median, f.memcpy, state_bytes)
-    speed = blocking_rows(f) + durable_rows(f, of_limit) + training_rows(f) + snap_rows
+    speed = blocking_rows(f) + durable_rows(f, of_limit) + training_rows(f)
     rss: dict[str, dict[str, Any]] = {}
     mem_rows = memory_rows(f, memory, rss)
     print_tables(cfg, speed, mem_rows)
-    f.checks |= {f"snapshot_{k}": v for k, v in snapshots["pass"].items()}
-    return result(f, of_limit, rss) | {"snapshot_every_step": snapshots}
+    return result(f, of_limit, rss)
 
 
 def result(f: Figures, of_limit: dict[str, float], rss: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 import unbroken
-from async_save_snapshot import SnapshotBench
 from common import (
     GIB,
     MIB,
@@ -156,7 +155,6 @@ class AsyncRank:
         self.ckpt.prepare(self.state)
         prepared_at = time.monotonic()
         self.saves = itertools.count(1000)  # steps only go forward (a lower one is refused)
-        self.snapshots = SnapshotBench(str(self.root), self.state, self.trainer_step)
         self.samples: dict[str, list[float]] = {}
         self.unavailable: dict[str, str] = {}
         # a pause in proportion to the bytes just written (1 s per GiB, at most 1 s)
@@ -273,12 +271,6 @@ class AsyncRank:
     def save_next(self) -> Pending:
         return save_unbroken(self.ckpt, next(self.saves), self.state)
 
-    def trainer_step(self) -> float:
-        return self.trainer.step()
-
-    def snapshot_every_step(self, rep: int) -> None:
-        self.snapshots.measure(self.record)
-
     def train_dcp_thread(self, rep: int) -> None:
         path = fresh_dir(self.root / "train_dcp" / str(rep))
         mode, state, group = AsyncCheckpointerType.THREAD, self.state, self.dcp_group
@@ -294,7 +286,6 @@ class AsyncRank:
             self.limits,
             self.train_unbroken,
             self.train_dcp_thread,
-            self.snapshot_every_step,
         ]
         root = self.root
         junk = [root / sub for sub in ("raw", "dcp_thread", "dcp_process", "train_dcp")]
@@ -320,7 +311,6 @@ def worker(rank: int, cfg: DiskConfig, sdc_off: bool = False) -> None:
     bench = AsyncRank(rank, cfg, sdc_off)
     hand_back(cfg.dir, bench.run())
     bench.ckpt.close()
-    bench.snapshots.close()
     leave_group()
     if "dcp_process" in bench.unavailable:
         # a daemon that never came up leaves DCP's executor thread waiting (30 min): go now
