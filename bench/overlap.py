@@ -297,13 +297,17 @@ def report(runs: dict[int, Any], memory: dict[str, Any], methods: list[str]) -> 
                         f"lost_{config}": round(lost, 4),
                         f"core_wait_ms_{config}": round(wait * 1e3, 2)}  # fmt: skip
         durable = statistics.median(r["durable_s"] for r in runs[2]["methods"][name])
-        in_memory = name.startswith("snapshot")  # nothing durable: shared memory
-        rate = 0.0 if in_memory or name == "control" else 2 * nbytes / 2**30 / durable
         added = memory[name]["extra"] / MIB
         wrong = int(sum(runs[w]["methods"][name][0]["wrong"] for w in runs))
-        row += [f"{added:.0f} MiB", "in memory" if in_memory else f"{rate:.2f} GiB/s" if rate
-                else "-", "-" if name == "control" else "bitwise" if not wrong
-                else f"{wrong} tensor(s) differ"]  # fmt: skip
+        rate, written, restored = 0.0, "-", "-"  # the control saves nothing
+        if name.startswith("snapshot"):  # nothing durable: shared memory
+            written = "in memory"
+        elif name != "control":
+            rate = 2 * nbytes / 2**30 / durable
+            written = f"{rate:.2f} GiB/s"
+        if name != "control":
+            restored = "bitwise" if not wrong else f"{wrong} tensor(s) differ"
+        row += [f"{added:.0f} MiB", written, restored]
         table.add_row(*row)
         result[name] = figures | {
             "memory_mib": round(added, 1), "durable_gib_s": round(rate, 3), "wrong": wrong,
